@@ -1,0 +1,104 @@
+"""Sparse Linear forward+backward on the emulated wafer-scale device versus dense `F.linear`.
+
+For each weight shape and sparsity it prints dense_time / sparse_time (higher is better) for our
+native CSR kernels ("compiled"), for PyTorch's stock CSR ops on the same structure ("torch"), and
+the path "auto" picks, plus the cost of rebuilding the CSR structure after a mask change. Dense
+and sparse runs are interleaved in one process and summarised by their median, so background load
+hits every method alike.
+
+    python benchmarks/bench_sparse_linear.py [--tokens 512] [--threads 2] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from lightning_sparse.wse import CSRWeight, compiled_available, resolve_path, sparse_linear
+
+SHAPES = ((1024, 1024), (4096, 1024))
+SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+
+
+def _step_fn(path: str | None, x, weight, bias, csr, grad_y) -> Callable[[], None]:
+    """One forward+backward; `path=None` is plain dense `F.linear` (the baseline)."""
+
+    def step() -> None:
+        x.grad = weight.grad = bias.grad = None
+        if path is None:
+            y = F.linear(x, weight, bias)
+        else:
+            y = sparse_linear(x, weight, csr, bias, path=path)
+        y.backward(grad_y)
+
+    return step
+
+
+def _interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name, fn in fns.items():  # warm-up: allocator, thread pool, autotuning
+        fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _rebuild_ms(weight: torch.Tensor, mask: torch.Tensor, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        CSRWeight.from_dense(weight, mask)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", message=".*[Ss]parse.*")
+    paths = ["compiled", "torch"] if compiled_available() else ["torch"]
+    generator = torch.Generator().manual_seed(0)
+    print(
+        f"fp32, {args.tokens} tokens, {torch.get_num_threads()} threads, median of "
+        f"{args.repeats} interleaved repeats; ratio = dense_time / sparse_time (fwd+bwd)"
+    )
+    header = f"{'weight':>10} {'sparsity':>8} {'dense ms':>9} " + " ".join(
+        f"{p + ' ms':>11} {p + ' x':>10}" for p in paths
+    )
+    print(header + f" {'auto picks':>10} {'rebuild ms':>10}")
+    for out_features, in_features in SHAPES:
+        x = torch.randn(args.tokens, in_features, generator=generator).requires_grad_()
+        weight = torch.randn(out_features, in_features, generator=generator).requires_grad_()
+        bias = torch.randn(out_features, generator=generator).requires_grad_()
+        grad_y = torch.randn(args.tokens, out_features, generator=generator)
+        for sparsity in SPARSITIES:
+            mask = torch.rand(out_features, in_features, generator=generator) >= sparsity
+            csr = CSRWeight.from_dense(weight, mask)
+            fns = {"dense": _step_fn(None, x, weight, bias, csr, grad_y)}
+            fns.update({p: _step_fn(p, x, weight, bias, csr, grad_y) for p in paths})
+            medians = _interleaved_medians(fns, args.repeats)
+            cells = " ".join(
+                f"{1e3 * medians[p]:11.2f} {medians['dense'] / medians[p]:10.2f}" for p in paths
+            )
+            auto = resolve_path(x, weight, csr, "auto")
+            print(
+                f"{out_features:>5}x{in_features:<4} {sparsity:8.0%} {1e3 * medians['dense']:9.2f}"
+                f" {cells} {auto:>10} {_rebuild_ms(weight, mask):10.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`GMP`: gradual magnitude pruning to a scheduled sparsity.
+
+Zhu & Gupta, "To prune, or not to prune: exploring the efficacy of pruning for model
+compression", arXiv:1710.01878. Each update keeps the largest-|w| weights at the scheduled
+sparsity (typically ``{"type": "cubic", ...}``, the paper's schedule).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightning_sparse.algorithms.dynamic import DynamicSparsityAlgorithm
+from lightning_sparse.mask_ops import topk_mask
+from lightning_sparse.schedules import Constant
+
+__all__ = ["GMP"]
+
+
+class GMP(DynamicSparsityAlgorithm):
+    """Gradual magnitude pruning. Arguments as ``DynamicSparsityAlgorithm``.
+
+    Raises:
+        ValueError: for a constant sparsity (nothing gradual: use ``Static``).
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        if isinstance(self.sparsity, Constant):
+            raise ValueError(
+                f"GMP got the constant sparsity {self.sparsity(0)}; GMP prunes gradually, so give "
+                "a schedule such as {'type': 'cubic', 'init': 0.0, 'final': 0.8, 'begin': 0, "
+                "'end': 1000}, or use Static for a fixed sparsity"
+            )
+
+    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+        """Top-``int((1 - s) n)`` of ``|p|`` per shaper row."""
+        score = self.shaper.shape(p.abs())
+        keep = self.shaper.keep_per_row(sparsity, score.shape[-1])
+        return self.shaper.unshape(topk_mask(score, keep), p.shape)

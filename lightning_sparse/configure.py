@@ -1,0 +1,230 @@
+"""`configure`: Cerebras-style sparsity configs (float, dict, list, YAML file) -> algorithm objects.
+
+Accepts the 2.2+ keys (``algorithm``, ``sparsity`` / ``schedule``, ``update``, ``param_filter``,
+``init_method``, ``drop_fraction``, ``balance_*_groups``, ...) and the legacy 2.0/2.1 keys
+(``type``, ``param_name_patterns`` as a regex / list / dict of per-pattern overrides, ``schedule``
+as the update cadence, ``sparsity_schedule: [[step, s], ...]``). This module is the config
+boundary: classes take flat typed arguments and never see config dicts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from lightning_sparse.algorithms.base import SparsityAlgorithm
+from lightning_sparse.algorithms.group import Group
+from lightning_sparse.filters import ParamFilter, make_param_filter, regex_filter
+
+__all__ = ["algorithm_class", "available_algorithms", "configure", "load_sparsity_block"]
+
+_LEGACY_KEYS = {"type", "param_name_patterns", "sparsity_schedule"}
+_IGNORED_KEYS = {"add_summaries": "log with the Lightning logger instead", "dump_masks": "masks "
+                 "are saved as <param>_mask in every checkpoint", "tiebreak": "ties are always "
+                 "broken deterministically"}
+_PARAMS_FILE_KEYS = {"trainer", "model", "train_input", "eval_input", "optimizer", "runconfig"}
+
+ConfigType = float | Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | os.PathLike | None
+
+
+def available_algorithms() -> dict[str, type[SparsityAlgorithm]]:
+    """Every concrete, non-Group ``SparsityAlgorithm`` subclass by lower-cased class name."""
+    found: dict[str, type[SparsityAlgorithm]] = {}
+    stack = list(SparsityAlgorithm.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if not inspect.isabstract(cls) and not issubclass(cls, Group):
+            found.setdefault(cls.__name__.lower(), cls)
+    return dict(sorted(found.items()))
+
+
+def algorithm_class(name: str) -> type[SparsityAlgorithm]:
+    """Look up an algorithm by lower-cased class name (user subclasses included)."""
+    registry = available_algorithms()
+    key = str(name).lower()
+    if key not in registry:
+        raise ValueError(
+            f"unknown sparsity algorithm {name!r}; valid algorithms: {', '.join(registry)} (or "
+            "define a SparsityAlgorithm subclass and use its lower-cased class name)"
+        )
+    return registry[key]
+
+
+def load_sparsity_block(path: str | os.PathLike) -> Any:
+    """The sparsity block of a YAML file: a ModelZoo params file or a bare sparsity config.
+
+    ModelZoo 2.2+ files keep it under ``trainer.init.sparsity``, 2.0/2.1 files at top-level
+    ``sparsity``; a params file without one means dense training (returns ``None``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"sparsity config {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text())
+    if isinstance(data, Mapping) and _PARAMS_FILE_KEYS & set(data):
+        init = (data.get("trainer") or {}).get("init") if isinstance(data.get("trainer"), Mapping) else None
+        if isinstance(init, Mapping) and "sparsity" in init:
+            return init["sparsity"]
+        return data.get("sparsity")
+    return data
+
+
+def configure(config: ConfigType) -> Group | None:
+    """Build sparsity from a float, dict, list of dicts or YAML path; ``None`` means dense.
+
+    Returns:
+        A ``Group`` with one member per config entry (first matching filter wins), or ``None``
+        when the config asks for no sparsity.
+
+    Raises:
+        ValueError / TypeError: naming the bad key or value and the fix, before anything is built.
+    """
+    if isinstance(config, str | os.PathLike):
+        config = load_sparsity_block(config)
+    if config is None:
+        return None
+    if isinstance(config, bool) or not isinstance(config, int | float | Mapping | Sequence):
+        raise TypeError(
+            f"sparsity config {config!r} is not supported: use a float such as 0.8, a dict with "
+            "'algorithm' and 'sparsity', a list of such dicts, or a YAML file path"
+        )
+    if isinstance(config, int | float):
+        config = {"sparsity": config}
+    entries = [config] if isinstance(config, Mapping) else list(config)
+    specs = [spec for entry in entries for spec in _expand(entry)]
+    built = [_build(spec) for spec in specs]  # every entry is validated before any is used
+    group = Group()
+    for param_filter, algorithm in built:
+        if algorithm is not None:
+            group.add(param_filter, algorithm)
+    return group if len(group) else None
+
+
+def _expand(entry: Any) -> list[dict[str, Any]]:
+    """Flatten ModelZoo ``{"groups": [...], "params": {...}}`` nesting and 2.0 pattern dicts."""
+    if isinstance(entry, int | float) and not isinstance(entry, bool):
+        return [{"sparsity": entry}]
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"each sparsity config entry must be a dict or a float, got {entry!r}")
+    entry = dict(entry)
+    if "params" in entry and isinstance(entry["params"], Mapping):
+        entry = {**{k: v for k, v in entry.items() if k != "params"}, **entry["params"]}
+    if "groups" in entry:
+        shared = {k: v for k, v in entry.items() if k != "groups"}
+        return [spec for group in entry["groups"] for spec in _expand({**shared, **group})]
+    patterns = entry.get("param_name_patterns")
+    if isinstance(patterns, Mapping):
+        return [
+            {**{k: v for k, v in entry.items() if k != "param_name_patterns"},
+             **(overrides or {}), "param_name_patterns": pattern}
+            for pattern, overrides in patterns.items()
+        ]
+    return [entry]
+
+
+def _build(spec: dict[str, Any]) -> tuple[ParamFilter | None, SparsityAlgorithm | None]:
+    spec = dict(spec)
+    legacy = bool(_LEGACY_KEYS & set(spec))
+    name = _pop_algorithm_name(spec)
+    if "sparsity_schedule" in spec:
+        spec["sparsity"], spec["update"] = _unzip_sparsity_schedule(spec.pop("sparsity_schedule"))
+    if "schedule" in spec:
+        if legacy or "sparsity" in spec and "update" not in spec and _is_cadence(spec["schedule"]):
+            spec["update"] = spec.pop("schedule")  # 2.0/2.1: 'schedule' is the update cadence
+        elif "sparsity" in spec:
+            raise ValueError(
+                "sparsity config gives both 'sparsity' and 'schedule', which are aliases in "
+                "Cerebras 2.2+; keep one of them"
+            )
+        else:
+            spec["sparsity"] = spec.pop("schedule")
+    if "sparsity" not in spec:
+        raise ValueError(
+            f"sparsity config {spec} has no 'sparsity' (or 'schedule') key; add one, e.g. "
+            "sparsity: 0.8, or sparsity: null for dense training"
+        )
+    if spec["sparsity"] is None:
+        return None, None
+    param_filter = _pop_filter(spec)
+    for key, why in _IGNORED_KEYS.items():
+        if key in spec:
+            spec.pop(key)
+            warnings.warn(f"sparsity key {key!r} is ignored: {why}", stacklevel=4)
+    cls = algorithm_class(name)
+    _check_kwargs(cls, spec)
+    return param_filter, cls(**spec)
+
+
+def _pop_algorithm_name(spec: dict[str, Any]) -> str:
+    algorithm, legacy_type = spec.pop("algorithm", None), spec.pop("type", None)
+    if algorithm and legacy_type and str(algorithm).lower() != str(legacy_type).lower():
+        raise ValueError(
+            f"sparsity config names algorithm={algorithm!r} and the legacy type={legacy_type!r}; "
+            "keep only 'algorithm'"
+        )
+    if str(legacy_type).lower() == "sideband":
+        raise ValueError(
+            "type: sideband is the Cerebras 1.x NaN-in-weights format; use algorithm: static, and "
+            "convert 1.x checkpoints with lightning_sparse.convert_nan_checkpoint"
+        )
+    return str(algorithm or legacy_type or "static")
+
+
+def _is_cadence(value: Any) -> bool:
+    return isinstance(value, int) or isinstance(value, Mapping) and ("freq" in value or "steps" in value)
+
+
+def _unzip_sparsity_schedule(pairs: Any) -> tuple[list[float], dict[str, list[int]]]:
+    try:
+        steps, levels = zip(*[(int(step), float(level)) for step, level in pairs], strict=True)
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"sparsity_schedule={pairs!r} must be a list of [step, sparsity] pairs, e.g. "
+            "[[0, 0.1], [6, 0.3], [8, 0.5]]"
+        ) from err
+    return list(levels), {"steps": list(steps)}
+
+
+def _pop_filter(spec: dict[str, Any]) -> ParamFilter | None:
+    glob_spec, regex_spec = spec.pop("param_filter", None), spec.pop("param_name_patterns", None)
+    if glob_spec is not None and regex_spec is not None:
+        raise ValueError("give either param_filter (globs) or param_name_patterns (regexes), not both")
+    if regex_spec is not None:
+        if isinstance(regex_spec, str) or (
+            isinstance(regex_spec, Sequence) and all(isinstance(p, str) for p in regex_spec)
+        ):
+            return regex_filter(regex_spec)
+        raise TypeError(
+            f"param_name_patterns={regex_spec!r} must be a regex, a list of regexes or a dict "
+            "{regex: overrides}"
+        )
+    return make_param_filter(glob_spec)
+
+
+def _accepted_kwargs(cls: type) -> set[str]:
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in klass.__dict__ or klass is object:
+            continue
+        params = inspect.signature(klass.__init__).parameters.values()
+        names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        if not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
+            break
+    names.discard("self")
+    return names
+
+
+def _check_kwargs(cls: type, spec: dict[str, Any]) -> None:
+    accepted = _accepted_kwargs(cls)
+    unknown = sorted(set(spec) - accepted)
+    if unknown:
+        raise ValueError(
+            f"sparsity algorithm {cls.__name__.lower()!r} does not take {unknown}; it accepts: "
+            f"{', '.join(sorted(accepted | {'algorithm', 'param_filter'}))}"
+        )

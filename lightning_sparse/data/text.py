@@ -1,0 +1,217 @@
+"""Byte-level text data: a real corpus present on every machine, no downloads, no tokenizer.
+
+By default the corpus is the Python standard library's own `.py` sources (excluding
+site-packages and test directories). Files are split into train / validation by a stable hash
+of their relative path, so the split never depends on the machine, the file order or the seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sysconfig
+from collections.abc import Iterable
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+VOCAB_SIZE = 256
+# Directory names never read from the standard library: installed packages and test suites.
+_STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+)
+
+
+def is_validation_file(relative_path: str, val_every: int) -> bool:
+    """True for about one file in `val_every`, decided by a blake2b hash of the POSIX path."""
+    digest = hashlib.blake2b(relative_path.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % val_every == 0
+
+
+@functools.cache
+def stdlib_files() -> tuple[tuple[Path, str], ...]:
+    """The standard library's `.py` files as sorted (path, relative path) pairs.
+
+    Cached: the standard library does not change while the process runs.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if _STDLIB_EXCLUDED_DIRS.isdisjoint(rel.parts[:-1]) and path.is_file():
+            files.append((path, rel.as_posix()))
+    if not files:
+        raise ValueError(f"no .py files found in the standard library at {root}; pass paths=")
+    return tuple(files)
+
+
+def user_files(paths: Iterable[str], pattern: str) -> list[tuple[Path, str]]:
+    """Files named in `paths`, directories searched recursively for `pattern`.
+
+    Relative paths (used for the split) are taken against each given directory; a file given
+    directly is known by its name.
+
+    Raises:
+        FileNotFoundError: A path does not exist.
+        ValueError: A directory holds no file matching `pattern`.
+    """
+    files = []
+    for entry in paths:
+        path = Path(entry).expanduser()
+        if path.is_file():
+            files.append((path, path.name))
+        elif path.is_dir():
+            found = sorted(p for p in path.rglob(pattern) if p.is_file())
+            if not found:
+                raise ValueError(f"no files matching {pattern!r} under directory {str(path)!r}")
+            files.extend((p, p.relative_to(path).as_posix()) for p in found)
+        else:
+            raise FileNotFoundError(f"text data path {str(path)!r} does not exist")
+    return files
+
+
+def read_bytes(files: Iterable[Path], max_bytes: int | None = None) -> Tensor:
+    """Concatenates files in order into one uint8 tensor [N], stopping once `max_bytes` is hit."""
+    buffer = bytearray()
+    for path in files:
+        if max_bytes is not None and len(buffer) >= max_bytes:
+            break
+        buffer += path.read_bytes()
+    if max_bytes is not None:
+        del buffer[max_bytes:]
+    if not buffer:  # torch.frombuffer rejects an empty buffer
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+class WindowDataset(Dataset):
+    """Windows of `seq_len + 1` tokens of a byte corpus, at the given start offsets.
+
+    Args:
+        data: uint8 corpus [N].
+        starts: LongTensor [num_windows] of start offsets; item i starts at `starts[i]`.
+        seq_len: Model context; each item has `seq_len + 1` tokens (inputs plus shifted targets).
+    """
+
+    def __init__(self, data: Tensor, starts: Tensor, seq_len: int) -> None:
+        self.data, self.starts, self.seq_len = data, starts, seq_len
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> Tensor:
+        """-> LongTensor [seq_len + 1]."""
+        start = int(self.starts[i])
+        return self.data[start : start + self.seq_len + 1].long()
+
+
+class ByteTextDataModule(L.LightningDataModule):
+    """Byte-level (vocab 256) language-model data from the stdlib sources or your text files.
+
+    Batches are LongTensor [batch_size, seq_len + 1]. Training windows tile the train corpus with
+    stride `seq_len` (every next-token pair appears once per epoch); their order is a permutation
+    fixed by `seed`, so runs with the same seed see the same batches and Lightning can shard or
+    resume the (unshuffled) map-style dataset. Every epoch repeats that order. Validation is the
+    first `val_windows` contiguous windows of the validation files.
+
+    Args:
+        paths: Text files or directories (searched recursively for `pattern`); `None` uses the
+            Python standard library's `.py` files.
+        pattern: Glob for files inside directories given in `paths`.
+        val_paths: Validation files or directories; `None` splits `paths` by file instead,
+            putting a file in validation when the hash of its relative path is 0 mod `val_every`.
+        val_every: About one file in `val_every` goes to validation.
+        seq_len: Tokens of context per example.
+        batch_size: Windows per batch.
+        max_bytes: Cap on the training corpus size in bytes (files are read in `paths` order,
+            sorted within each directory); `None` reads everything.
+        val_windows: Number of validation windows.
+        seed: Fixes the training order.
+        num_workers: DataLoader worker processes.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(
+        self,
+        paths: list[str] | None = None,
+        pattern: str = "*.py",
+        val_paths: list[str] | None = None,
+        val_every: int = 20,
+        seq_len: int = 256,
+        batch_size: int = 32,
+        max_bytes: int | None = 8_000_000,
+        val_windows: int = 128,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if val_every < 2:
+            raise ValueError(f"val_every must be >= 2 (one file in val_every), got {val_every}")
+        if seq_len < 1 or batch_size < 1 or val_windows < 1:
+            raise ValueError(
+                f"seq_len, batch_size and val_windows must be positive, got "
+                f"{seq_len}, {batch_size}, {val_windows}"
+            )
+        self.save_hyperparameters()
+        self.train_data: Tensor | None = None
+        self.val_data: Tensor | None = None
+
+    def split_files(self) -> tuple[list[Path], list[Path]]:
+        """The (train, validation) file lists, each in sorted order."""
+        hp = self.hparams
+        files = stdlib_files() if hp.paths is None else user_files(hp.paths, hp.pattern)
+        if hp.val_paths is not None:
+            return [p for p, _ in files], [p for p, _ in user_files(hp.val_paths, hp.pattern)]
+        train = [p for p, rel in files if not is_validation_file(rel, hp.val_every)]
+        val = [p for p, rel in files if is_validation_file(rel, hp.val_every)]
+        if not train or not val:
+            empty = "training" if not train else "validation"
+            raise ValueError(
+                f"splitting {len(files)} file(s) by path hash (1 in val_every={hp.val_every}) "
+                f"left the {empty} split empty; pass more files, change val_every, or name "
+                "validation files with val_paths="
+            )
+        return train, val
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_data is not None:
+            return
+        hp = self.hparams
+        train_files, val_files = self.split_files()
+        window = hp.seq_len + 1
+        self.train_data = read_bytes(train_files, hp.max_bytes)
+        # Validation reads only the bytes its windows need.
+        self.val_data = read_bytes(val_files, hp.val_windows * hp.seq_len + 1)
+        for split, data in (("training", self.train_data), ("validation", self.val_data)):
+            if len(data) < window:
+                raise ValueError(
+                    f"the {split} corpus has {len(data)} bytes, fewer than one window of "
+                    f"seq_len + 1 = {window}; add text or lower seq_len"
+                )
+
+    def _windows(self, data: Tensor) -> Tensor:
+        """Start offsets [num_windows] tiling data with stride seq_len."""
+        return torch.arange((len(data) - 1) // self.hparams.seq_len) * self.hparams.seq_len
+
+    def train_dataloader(self) -> DataLoader:
+        starts = self._windows(self.train_data)
+        generator = torch.Generator().manual_seed(self.hparams.seed)
+        starts = starts[torch.randperm(len(starts), generator=generator)]
+        return self._loader(WindowDataset(self.train_data, starts, self.hparams.seq_len))
+
+    def val_dataloader(self) -> DataLoader:
+        starts = self._windows(self.val_data)[: self.hparams.val_windows]
+        return self._loader(WindowDataset(self.val_data, starts, self.hparams.seq_len))
+
+    def _loader(self, dataset: WindowDataset) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=False,  # the order is fixed by the dataset itself
+            num_workers=self.hparams.num_workers,
+            drop_last=False,
+        )

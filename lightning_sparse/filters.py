@@ -1,0 +1,105 @@
+"""Which parameters get sparsified: the default filter and glob / regex / callable filters.
+
+A filter is a callable ``(name, param) -> bool`` over the full dotted parameter name. The default
+follows Cerebras' ``default_sparse_param_filter`` and also decides by module type, so models that
+name things differently (Hugging Face ``embed_tokens`` / ``lm_head``, tied embeddings) come out
+right: weights with ``ndim >= 2`` that are not embeddings, normalisation or the output head.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ParamFilter",
+    "default_sparse_param_filter",
+    "glob_filter",
+    "make_param_filter",
+    "regex_filter",
+]
+
+ParamFilter = Callable[[str, torch.Tensor], bool]
+
+_DENSE_NAME_PARTS = ("embed", "norm", "lm_head", "pe_helper")
+_HEAD_LEAF_NAMES = ("lm_head", "output_layer", "output", "head")
+
+
+def default_sparse_param_filter(name: str, param: torch.Tensor | None) -> bool:
+    """Cerebras' default, by name: ``ndim > 1`` and no embedding / norm / LM-head in the name.
+
+    Args:
+        name: full dotted parameter name.
+        param: the parameter (``None`` is never sparsified).
+    """
+    if param is None or param.ndim < 2:
+        return False
+    lowered = name.lower()
+    return not any(part in lowered for part in _DENSE_NAME_PARTS)
+
+
+def is_dense_by_module(module: nn.Module, module_name: str, tied_ids: set[int], p: torch.Tensor) -> bool:
+    """Module-type half of the default filter: embeddings, norms, the output head, tied weights.
+
+    Args:
+        module: the module owning the parameter.
+        module_name: its full dotted name.
+        tied_ids: ``id``s of parameters that appear under more than one name (tied weights).
+        p: the parameter.
+    """
+    if isinstance(module, nn.Embedding | nn.EmbeddingBag):
+        return True
+    if "norm" in type(module).__name__.lower():
+        return True
+    leaf = module_name.rsplit(".", 1)[-1].lower()
+    if leaf in _HEAD_LEAF_NAMES:
+        return True
+    return id(p) in tied_ids
+
+
+def glob_filter(patterns: str | Sequence[str]) -> ParamFilter:
+    """Filter matching full names against fnmatch globs (``*`` also matches ``.``); any-match."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    compiled = [re.compile(fnmatch.translate(p)) for p in patterns]
+
+    def matches(name: str, param: torch.Tensor) -> bool:
+        return any(c.match(name) for c in compiled)
+
+    matches.__qualname__ = f"glob_filter({list(patterns)!r})"
+    return matches
+
+
+def regex_filter(patterns: str | Sequence[str]) -> ParamFilter:
+    """Filter for Cerebras 2.0/2.1 ``param_name_patterns``: ``re.search`` of any pattern."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    compiled = [re.compile(p) for p in patterns]
+
+    def matches(name: str, param: torch.Tensor) -> bool:
+        return any(c.search(name) for c in compiled)
+
+    matches.__qualname__ = f"regex_filter({list(patterns)!r})"
+    return matches
+
+
+def make_param_filter(spec: str | Sequence[str] | ParamFilter | None) -> ParamFilter | None:
+    """Turn a glob, a list of globs or a callable into a filter; ``None`` means the default.
+
+    Raises:
+        TypeError: for anything else, naming the value.
+    """
+    if spec is None or callable(spec):
+        return spec
+    if isinstance(spec, str):
+        return glob_filter(spec)
+    if isinstance(spec, Sequence) and all(isinstance(s, str) for s in spec):
+        return glob_filter(list(spec))
+    raise TypeError(
+        f"param_filter={spec!r} is not supported: use a glob string such as '*.weight', a list "
+        "of globs, or a callable (name, param) -> bool"
+    )

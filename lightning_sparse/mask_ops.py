@@ -1,0 +1,196 @@
+"""Masks from scores: top-k with deterministic ties, and the drop-and-grow step of SET/RigL.
+
+Every function works row by row on a ``[groups, n]`` score (a shaper from ``shapers.py`` makes
+that view), so each row competes independently. Ties always go to the lower index within the row,
+which makes masks identical on every run and thread count; ``torch.topk`` alone gives no
+such guarantee. NaN scores count as ``-inf``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import Tensor
+
+_INF = float("inf")
+
+
+def check_sparsity(sparsity: float, owner: str = "sparsity") -> float:
+    """Return ``sparsity`` as a float after checking it is a number in ``[0, 1)``.
+
+    Args:
+        sparsity: Fraction of zeros.
+        owner: What to name in the error, e.g. ``"erk sparsity"``.
+
+    Raises:
+        ValueError: If ``sparsity`` is not a real number in ``[0, 1)``.
+    """
+    if (
+        isinstance(sparsity, bool)
+        or not isinstance(sparsity, numbers.Real)
+        or not math.isfinite(sparsity)
+        or not 0.0 <= sparsity < 1.0
+    ):
+        raise ValueError(
+            f"{owner} must be a float in [0, 1) (the fraction of zeros), got {sparsity!r}"
+        )
+    return float(sparsity)
+
+
+def _check_int(name: str, value: int, low: int, high: int) -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}] (the row length), got {value}")
+
+
+def _without_nan(score: Tensor) -> Tensor:
+    """Return ``score`` in a dtype ``torch.topk`` accepts, with NaN replaced by ``-inf``."""
+    if score.dtype == torch.bool:
+        return score.to(torch.uint8)
+    if score.is_floating_point():
+        return score.nan_to_num(nan=-_INF, posinf=_INF, neginf=-_INF)
+    return score
+
+
+def topk_mask(score: Tensor, k: int | Tensor) -> Tensor:
+    """Keep the ``k`` largest scores of each row; ties go to the lower index.
+
+    The k-th largest value of each row is a threshold: every score above it is kept, and among
+    the scores equal to it the first ``k - (number above)`` by index are kept. The threshold value
+    is unique even where ``torch.topk``'s indices are not, so the mask is deterministic. An int
+    ``k`` costs one ``torch.topk`` over ``min(k, n - k + 1)`` elements and never syncs the host.
+
+    Args:
+        score: ``[groups, n]`` (any ``[..., n]`` works; rows are the last dimension). Floating
+            point NaN counts as ``-inf``: kept only when ``k`` exceeds the number of other scores.
+        k: Number to keep per row: an int in ``[0, n]`` for every row, or an int64 tensor of shape
+            ``[groups]`` (``score.shape[:-1]``, or broadcastable to it) with one count per row,
+            clamped to ``[0, n]``. The tensor path uses a full sort.
+
+    Returns:
+        Bool mask shaped like ``score`` with exactly ``k`` True per row.
+
+    Raises:
+        ValueError: If ``score`` is 0-d or an int ``k`` is outside ``[0, n]``.
+        TypeError: If ``k`` is neither an int nor a tensor.
+    """
+    if score.ndim == 0:
+        raise ValueError("topk_mask needs a score of shape [groups, n], got a 0-d tensor")
+    n = score.shape[-1]
+    if isinstance(k, Tensor):
+        return _topk_mask_per_row(_without_nan(score), k)
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"topk_mask k must be an int or an int64 tensor, got {k!r}")
+    _check_int("topk_mask k", k, 0, n)
+    if k == 0 or k == n:
+        return torch.full_like(score, k == n, dtype=torch.bool)
+    score = _without_nan(score)
+    # The k-th largest equals the (n - k + 1)-th smallest: select whichever side is shorter.
+    if k <= n - k + 1:
+        threshold = torch.topk(score, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    else:
+        smallest = torch.topk(score, n - k + 1, dim=-1, largest=False, sorted=False).values
+        threshold = smallest.amax(-1, keepdim=True)
+    return _keep_threshold(score, threshold, k)
+
+
+def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
+    n = score.shape[-1]
+    if n == 0:
+        return torch.zeros_like(score, dtype=torch.bool)
+    k = torch.broadcast_to(k.to(score.device, torch.int64), score.shape[:-1]).unsqueeze(-1)
+    k = k.clamp(0, n)
+    descending = torch.sort(score, dim=-1, descending=True).values
+    # For k == 0 this picks the row maximum; nothing exceeds it and zero ties are taken.
+    threshold = descending.gather(-1, (k - 1).clamp(min=0))
+    return _keep_threshold(score, threshold, k)
+
+
+def _keep_threshold(score: Tensor, threshold: Tensor, k: int | Tensor) -> Tensor:
+    """Keep ``score > threshold`` plus the lowest-index ties so each row has ``k``."""
+    above = score > threshold
+    ties = score == threshold
+    needed = k - above.sum(-1, keepdim=True)
+    return above | (ties & (ties.cumsum(-1, dtype=torch.int32) <= needed))
+
+
+def _finite(score: Tensor) -> Tensor:
+    """Float copy with NaN/-inf at the lowest finite value and +inf at the highest.
+
+    Frees ``±inf`` to mark positions that must rank below or above every real score.
+    """
+    if not score.is_floating_point():
+        score = score.double()
+    info = torch.finfo(score.dtype)
+    return score.nan_to_num(nan=info.min, posinf=info.max, neginf=info.min)
+
+
+def drop_and_grow(
+    drop_score: Tensor,
+    grow_score: Tensor,
+    mask: Tensor,
+    n_drop: int | Tensor,
+    n_total: int | Tensor,
+) -> Tensor:
+    """Drop the weakest active connections, then grow the strongest inactive ones.
+
+    The update of SET (Mocanu et al. 2018, "Scalable training of artificial neural networks with
+    adaptive sparse connectivity ...", arXiv:1707.04780) and RigL (Evci et al. 2020, "Rigging the
+    Lottery: Making All Tickets Winners", arXiv:1911.11134, Algorithm 1), which differ only in
+    ``grow_score`` (random for SET, ``|dense gradient|`` for RigL):
+
+    1. drop: of the ``active`` connections of a row keep the ``active - n_drop`` with the highest
+       ``drop_score`` (``|W|`` in both papers);
+    2. grow: ``n_grow = max(n_total - (active - n_drop), 0)``, chosen by ``grow_score`` among all
+       positions *not kept in step 1*. As in the paper (``ArgTopK`` over ``i ∉ θ \\ I_drop``) and
+       its official code, a connection dropped in step 1 may be grown straight back.
+
+    Cerebras' RigL/SET (``cstorch.sparse`` 2.x) compute the same ``n_grow``, so while a row is
+    still denser than ``n_total`` (a delayed start) nothing is grown and it only shrinks.
+
+    Args:
+        drop_score: ``[groups, n]`` float score of the active connections; higher = keep.
+        grow_score: ``[groups, n]`` float score of the candidates; higher = grow first.
+        mask: ``[groups, n]`` bool, the current mask.
+        n_drop: Connections to drop per row: an int >= 0, or an int64 tensor ``[groups]``.
+            Clamped to the row's active count.
+        n_total: Target active count per row after growing: an int in ``[0, n]``, or an int64
+            tensor ``[groups]``. ``n_total=0`` only drops (gradual pruning); ``n_drop=0`` only
+            grows.
+
+    Returns:
+        ``[groups, n]`` bool mask with exactly ``max(n_total, active - n_drop)`` True per row
+        (so exactly ``n_total`` in the usual case). NaN and ``±inf`` scores rank as the lowest
+        and highest finite values, so a drop never keeps an inactive position and a grow never
+        picks a kept one. With int ``n_drop`` and ``n_total`` it costs two ``torch.topk`` calls
+        and never syncs the host; tensor counts use a full sort.
+
+    Raises:
+        ValueError: If the shapes differ, ``mask`` is not bool, or an int count is out of range.
+    """
+    if not drop_score.shape == grow_score.shape == mask.shape:
+        raise ValueError(
+            f"drop_and_grow needs drop_score, grow_score and mask of one shape [groups, n], got "
+            f"{tuple(drop_score.shape)}, {tuple(grow_score.shape)} and {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool or mask.ndim == 0:
+        raise ValueError(
+            f"drop_and_grow mask must be a bool tensor [groups, n], got {mask.dtype} "
+            f"of shape {tuple(mask.shape)}"
+        )
+    n = mask.shape[-1]
+    if not isinstance(n_drop, Tensor):
+        _check_int("drop_and_grow n_drop", n_drop, 0, n)
+    if not isinstance(n_total, Tensor):
+        _check_int("drop_and_grow n_total", n_total, 0, n)
+    # 1. Drop the n_drop weakest active positions. Flipped so that among equal scores the
+    #    higher index is dropped first, i.e. the survivors are the top scores, ties to the lower
+    #    index. Inactive positions rank last; if n_drop exceeds the active count, `mask &` drops
+    #    them all.
+    weakest = torch.where(mask, -_finite(drop_score), -_INF).flip(-1)
+    kept = mask & ~topk_mask(weakest, n_drop).flip(-1)
+    # 2. Grow: the top n_total of a score on which every kept position outranks all others, so
+    #    all of them are chosen first. A row still denser than n_total keeps them all via `kept |`.
+    ranked = torch.where(kept, _INF, _finite(grow_score))
+    return kept | topk_mask(ranked, n_total)

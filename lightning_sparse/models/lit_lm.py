@@ -1,0 +1,155 @@
+"""`LitCausalLM`: next-token language-model training as a LightningModule.
+
+The constructor takes flat typed arguments (the fields of `LlamaConfig` plus optimiser settings),
+so LightningCLI can configure it from YAML and checkpoints hold only plain Python values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchmetrics import MeanMetric
+
+from lightning_sparse.models.llama import Llama, LlamaConfig, generate
+
+
+def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup_steps`, then cosine decay to `min_lr_ratio`.
+
+    `step` counts completed optimizer steps, so step 0 already trains at 1 / warmup_steps.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LitCausalLM(L.LightningModule):
+    """Trains a causal language model on batches of token windows.
+
+    Batches are LongTensor [B, T + 1]: inputs are the first T tokens, targets the last T.
+
+    Args:
+        model: Any module mapping token ids [B, T] to logits [B, T, V]; when given, the model
+            arguments below (`vocab_size` ... `tie_embeddings`) are ignored except
+            `max_seq_len`, which crops the context in `predict_step`. Default: a `Llama` built
+            from those arguments.
+        vocab_size, dim, n_layers, n_heads, n_kv_heads, ffn_hidden, max_seq_len, rope_theta,
+            norm_eps, tie_embeddings: Fields of `LlamaConfig`.
+        lr: Peak learning rate of AdamW.
+        weight_decay: Decoupled weight decay for matrices (not norms, embeddings or biases).
+        betas: AdamW betas.
+        warmup_steps: Steps of linear warmup.
+        max_steps: Length of the cosine schedule; `None` uses the trainer's
+            `estimated_stepping_batches`.
+        min_lr_ratio: Final learning rate as a fraction of `lr`.
+        max_new_tokens, temperature, top_k: Sampling settings of `predict_step`.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        vocab_size: int = 256,
+        dim: int = 256,
+        n_layers: int = 4,
+        n_heads: int = 4,
+        n_kv_heads: int | None = None,
+        ffn_hidden: int | None = None,
+        max_seq_len: int = 256,
+        rope_theta: float = 10000.0,
+        norm_eps: float = 1e-5,
+        tie_embeddings: bool = False,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 100,
+        max_steps: int | None = None,
+        min_lr_ratio: float = 0.1,
+        max_new_tokens: int = 64,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters(ignore=["model"])
+        if model is None:
+            model = Llama(
+                LlamaConfig(
+                    vocab_size=vocab_size,
+                    dim=dim,
+                    n_layers=n_layers,
+                    n_heads=n_heads,
+                    n_kv_heads=n_kv_heads,
+                    ffn_hidden=ffn_hidden,
+                    max_seq_len=max_seq_len,
+                    rope_theta=rope_theta,
+                    norm_eps=norm_eps,
+                    tie_embeddings=tie_embeddings,
+                )
+            )
+        self.model = model
+        self.val_loss = MeanMetric()
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx: [B, T] -> logits [B, T, V]."""
+        return self.model(idx)
+
+    def loss(self, batch: Tensor) -> Tensor:
+        """Mean next-token cross-entropy of batch [B, T + 1], computed in float32."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self.model(inputs)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        loss = self.loss(batch)
+        # Weight by token count so the epoch mean is per token even with a short last batch.
+        self.val_loss.update(loss, weight=batch[:, 1:].numel())
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()  # already reduced across ranks by torchmetrics
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", loss.exp())
+        self.val_loss.reset()
+
+    def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        """Continues prompts [B, T] -> [B, T + max_new_tokens]."""
+        prompt = batch[0] if isinstance(batch, (tuple, list)) else batch
+        hp = self.hparams
+        return generate(
+            self.model, prompt, hp.max_new_tokens, hp.max_seq_len, hp.temperature, hp.top_k
+        )
+
+    def configure_optimizers(self) -> dict:
+        """AdamW with decay on matrices only, and a per-step warmup-cosine LambdaLR."""
+        hp = self.hparams
+        embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
+        decay, no_decay = [], []
+        for p in self.model.parameters():  # shared (tied) tensors appear once
+            if not p.requires_grad:
+                continue
+            (decay if p.ndim >= 2 and id(p) not in embeddings else no_decay).append(p)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": hp.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=hp.lr,
+            betas=tuple(hp.betas),
+        )
+        max_steps = hp.max_steps or int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: warmup_cosine(step, hp.warmup_steps, max_steps, hp.min_lr_ratio),
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }

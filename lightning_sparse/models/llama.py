@@ -1,0 +1,277 @@
+"""A small Llama-style decoder in one file (nanoGPT-like), with Hugging Face parameter names.
+
+Parameter names follow `transformers.LlamaForCausalLM` minus its `model.` prefix
+(`embed_tokens.weight`, `layers.0.self_attn.q_proj.weight`, `layers.0.mlp.down_proj.weight`,
+`norm.weight`, `lm_head.weight`), so parameter filters written for Hugging Face models (for example
+``"*proj.weight"``) select the same layers here.
+
+References: "LLaMA: Open and Efficient Foundation Language Models" (arXiv:2302.13971);
+"RoFormer: Enhanced Transformer with Rotary Position Embedding" (arXiv:2104.09864);
+"GLU Variants Improve Transformer" (arXiv:2002.05202).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters of `Llama`.
+
+    Args:
+        vocab_size: Number of token ids; 256 for byte-level text.
+        dim: Width of the residual stream.
+        n_layers: Number of transformer blocks.
+        n_heads: Number of query heads; must divide `dim`.
+        n_kv_heads: Number of key/value heads (grouped-query attention); `None` means `n_heads`.
+        ffn_hidden: Hidden width of the SwiGLU feed-forward; `None` means 8/3 * dim rounded up
+            to a multiple of `multiple_of` (keeps the parameter count of a 4 * dim GELU MLP).
+        multiple_of: Rounding for the default `ffn_hidden`.
+        max_seq_len: Longest sequence the rotary tables cover.
+        rope_theta: Base of the rotary frequencies.
+        norm_eps: Epsilon of RMSNorm.
+        tie_embeddings: Share one tensor between `embed_tokens` and `lm_head`.
+    """
+
+    vocab_size: int = 256
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    multiple_of: int = 32
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads={self.n_heads} must be divisible by n_kv_heads={self.n_kv_heads}"
+            )
+        if (self.dim // self.n_heads) % 2 != 0:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for rotary")
+        if self.ffn_hidden is None:
+            hidden = int(8 * self.dim / 3)
+            self.ffn_hidden = self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: object) -> LlamaConfig:
+        """Builds a named preset (see `PRESETS`), with keyword overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+PRESETS: dict[str, dict[str, object]] = {
+    # For unit tests: GQA on, a few thousand parameters per layer.
+    "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
+    # Default: about 3.2M parameters; trains on a laptop CPU in minutes.
+    "small": dict(dim=256, n_layers=4, n_heads=4, max_seq_len=256),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (no mean subtraction, no bias)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [..., dim] -> [..., dim]. Normalises in float32 for stability under autocast."""
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """Rotary cos/sin tables in the Hugging Face "rotate half" layout.
+
+    Returns:
+        cos, sin: each [max_seq_len, head_dim] (the head_dim/2 frequencies repeated twice).
+    """
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates x: [B, H, T, head_dim] by position; cos, sin: [T, head_dim]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary positions and optional grouped KV heads."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [B, T, dim], cos/sin: [T, head_dim] -> [B, T, dim]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Each KV head serves n_heads / n_kv_heads consecutive query heads.
+            repeats = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, head_dim]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x: [B, T, dim] -> [B, T, dim]."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x: [B, T, dim] -> [B, T, dim]."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only language model: token ids [B, T] -> next-token logits [B, T, vocab_size]."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Rotary tables are derived data: not saved in checkpoints, moved with the module.
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, 0.02) everywhere, residual outputs scaled by 1/sqrt(2 * n_layers)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                nn.init.normal_(p, mean=0.0, std=residual_std)
+            elif p.ndim >= 2:
+                nn.init.normal_(p, mean=0.0, std=0.02)
+            else:  # RMSNorm gains
+                nn.init.ones_(p)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        """idx: LongTensor [B, T] with T <= max_seq_len -> logits [B, T, vocab_size]."""
+        T = idx.shape[1]
+        if T > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
+                "crop the input or build the model with a larger max_seq_len"
+            )
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Samples continuations; see `generate`. idx: [B, T] -> [B, T + max_new_tokens]."""
+        return generate(
+            self, idx, max_new_tokens, self.config.max_seq_len, temperature, top_k, generator
+        )
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    idx: Tensor,
+    max_new_tokens: int,
+    max_seq_len: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Autoregressive sampling without a KV cache, for any model mapping ids to logits.
+
+    Args:
+        model: Maps LongTensor [B, T] to logits [B, T, V].
+        idx: Prompt token ids [B, T].
+        max_new_tokens: Number of tokens to append.
+        max_seq_len: The context is cropped to the last `max_seq_len` tokens.
+        temperature: Softmax temperature; 0 means greedy (argmax).
+        top_k: Sample only among the `top_k` most likely tokens.
+        generator: Random generator for reproducible sampling.
+
+    Returns:
+        LongTensor [B, T + max_new_tokens].
+    """
+    for _ in range(max_new_tokens):
+        logits = model(idx[:, -max_seq_len:])[:, -1, :].float()  # [B, V]
+        if temperature == 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = F.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx

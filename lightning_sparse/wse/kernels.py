@@ -1,0 +1,639 @@
+"""Sparse linear layer over a `CSRWeight`, with autograd, on three interchangeable execution paths.
+
+`sparse_linear(x, weight, mask_or_csr, bias)` equals masked dense training,
+`F.linear(x, weight * mask, bias)`, in value and in gradients (`grad_weight` is dense with zeros at
+pruned positions, so optimizers see exactly what masked dense training gives them), while only
+kept weights cost FLOPs:
+
+- forward        Y = X W^T                 CSR of W         (tokens vectorised, rows in parallel)
+- input grad     grad_X = grad_Y W         CSR of W^T       (same kernel on the transposed CSR)
+- weight grad    grad_W[i, j] = sum_t grad_Y[t, i] X[t, j] at kept (i, j) only (SDDMM)
+
+Paths (see `PATHS`):
+- "compiled": the C++/OpenMP kernels in `_CPP_SOURCE` below, compiled once per machine with the
+  system C++ compiler into a cache directory and loaded with ctypes (a few seconds to build, no
+  dependency on torch's C++ headers or ABI). CPU, fp32/fp64.
+- "torch": PyTorch's own CSR ops (`torch.sparse.mm`, `torch.sparse.sampled_addmm`); any device.
+- "dense": `F.linear(x, weight * mask, bias)`, the reference and the fallback for tiny layers.
+- "auto" (default) measures each available path once per (device, dtype, shape, density bucket,
+  token bucket, grad) key on synthetic data, and then uses the fastest, so the device is never
+  slower than dense by more than timing noise.
+
+Force a path with the `path=` argument or the `LIGHTNING_SPARSE_WSE_PATH` environment variable
+("auto", "compiled", "torch", "dense"); `LIGHTNING_SPARSE_WSE_COMPILE=0` disables building the
+native library. `resolve_path` reports which path a call would take.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lightning_sparse.wse.csr import CSRWeight
+
+PATHS = ("compiled", "torch", "dense")
+PATH_ENV = "LIGHTNING_SPARSE_WSE_PATH"
+"""Environment variable forcing a path: "auto" (default), "compiled", "torch" or "dense"."""
+
+_AUTOTUNE_REPEATS = 5
+_AUTOTUNE_CACHE: dict[tuple, str] = {}
+
+# --- Native kernels ------------------------------------------------------------------------------
+COMPILE_ENV = "LIGHTNING_SPARSE_WSE_COMPILE"
+"""Set to "0" to never build or load the native library (the "compiled" path is then absent)."""
+CACHE_ENV = "LIGHTNING_SPARSE_CACHE_DIR"
+"""Directory for the built library; default `$XDG_CACHE_HOME/lightning_sparse` or `~/.cache/...`."""
+
+# Tokens are the vector dimension: each kernel transposes a tile of T tokens of its token-major
+# input into a feature-major buffer (row j = T contiguous tokens), so every kept weight costs T/L
+# fused multiply-adds on contiguous vectors, and writes its output back token-major.
+_CPP_SOURCE = r"""
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+// GCC/Clang vector extensions: one register = 64 bytes with AVX-512, else 32 (AVX2/NEON pairs).
+#if defined(__AVX512F__)
+#define LS_VECTOR_BYTES 64
+#else
+#define LS_VECTOR_BYTES 32
+#endif
+
+namespace {
+
+template <typename S> struct VecOf;
+template <> struct VecOf<float> { typedef float type __attribute__((vector_size(LS_VECTOR_BYTES))); };
+template <> struct VecOf<double> { typedef double type __attribute__((vector_size(LS_VECTOR_BYTES))); };
+template <typename S> using Vec = typename VecOf<S>::type;
+template <typename S> constexpr int kLanes = LS_VECTOR_BYTES / sizeof(S);
+
+template <typename S> inline Vec<S> load(const S* p) { Vec<S> v; std::memcpy(&v, p, sizeof v); return v; }
+template <typename S> inline void store(S* p, Vec<S> v) { std::memcpy(p, &v, sizeof v); }
+template <typename S> inline S horizontal_sum(Vec<S> v) {
+  S s = 0;
+  for (int l = 0; l < kLanes<S>; ++l) s += v[l];
+  return s;
+}
+
+struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
+  void* ptr;
+  explicit Buffer(size_t bytes) : ptr(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {}
+  ~Buffer() { std::free(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+constexpr int64_t kRowBlock = 16;  // output rows per scheduling unit (one cache line of floats)
+constexpr int64_t kColBlock = 32;  // features per transpose work item
+
+// dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
+// the kernels always run full-width vectors.
+template <typename S, int T>
+inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1, S* dst) {
+  for (int64_t t = 0; t < tn; ++t) {
+    const S* s = src + (n0 + t) * ld;
+    for (int64_t k = k0; k < k1; ++k) dst[k * T + t] = s[k];
+  }
+  for (int64_t k = k0; k < k1; ++k)
+    for (int64_t t = tn; t < T; ++t) dst[k * T + t] = S(0);
+}
+
+// Y [N, M] = X [N, K] @ S^T for S [M, K] in CSR (crow, col, val).
+template <typename S, int NV>
+void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, int64_t N, int64_t K,
+          int64_t M, S* Y, int threads) {
+  constexpr int L = kLanes<S>;
+  constexpr int T = NV * L;
+  Buffer xbuf(sizeof(S) * K * T);
+  S* xt = static_cast<S*>(xbuf.ptr);
+#pragma omp parallel num_threads(threads)
+  {
+    alignas(64) S block[kRowBlock * T];
+    for (int64_t n0 = 0; n0 < N; n0 += T) {
+      const int64_t tn = std::min<int64_t>(T, N - n0);
+#pragma omp for schedule(static)
+      for (int64_t kb = 0; kb < K; kb += kColBlock)
+        transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t ib = 0; ib < M; ib += kRowBlock) {
+        const int64_t ie = std::min(ib + kRowBlock, M);
+        for (int64_t i = ib; i < ie; ++i) {
+          Vec<S> acc[NV];
+          for (int v = 0; v < NV; ++v) acc[v] = Vec<S>{};
+          for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
+            const Vec<S> w = Vec<S>{} + val[k];
+            const S* xr = xt + static_cast<int64_t>(col[k]) * T;
+            for (int v = 0; v < NV; ++v) acc[v] += w * load<S>(xr + v * L);
+          }
+          for (int v = 0; v < NV; ++v) store<S>(block + (i - ib) * T + v * L, acc[v]);
+        }
+        for (int64_t t = 0; t < tn; ++t) {
+          S* yr = Y + (n0 + t) * M + ib;
+          for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
+        }
+      }
+    }
+  }
+}
+
+// D [M, K] = (G^T @ X) at the kept positions of the CSR pattern (crow, col), zero elsewhere,
+// for G [N, M] and X [N, K]: one dot product over tokens per kept weight.
+template <typename S, int NV>
+int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
+          int64_t M, S* D, int threads) {
+  constexpr int L = kLanes<S>;
+  constexpr int T = NV * L;
+  const int64_t nnz = crow[M];
+  Buffer gbuf(sizeof(S) * M * T), xbuf(sizeof(S) * K * T), vbuf(sizeof(S) * nnz);
+  if (!gbuf.ptr || !xbuf.ptr || !vbuf.ptr) return 1;
+  S* gt = static_cast<S*>(gbuf.ptr);
+  S* xt = static_cast<S*>(xbuf.ptr);
+  S* vals = static_cast<S*>(vbuf.ptr);
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t k = 0; k < nnz; ++k) vals[k] = S(0);
+    for (int64_t n0 = 0; n0 < N; n0 += T) {
+      const int64_t tn = std::min<int64_t>(T, N - n0);
+#pragma omp for schedule(static) nowait
+      for (int64_t kb = 0; kb < K; kb += kColBlock)
+        transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(static)
+      for (int64_t mb = 0; mb < M; mb += kColBlock)
+        transpose_tile<S, T>(G, M, n0, tn, mb, std::min(mb + kColBlock, M), gt);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t ib = 0; ib < M; ib += kRowBlock) {
+        const int64_t ie = std::min(ib + kRowBlock, M);
+        for (int64_t i = ib; i < ie; ++i) {
+          Vec<S> g[NV];
+          for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
+          int32_t k = crow[i];
+          const int32_t end = crow[i + 1];
+          // Four dot products at a time: four independent FMA chains sharing the loads of g.
+          for (; k + 4 <= end; k += 4) {
+            const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+            const S* x1 = xt + static_cast<int64_t>(col[k + 1]) * T;
+            const S* x2 = xt + static_cast<int64_t>(col[k + 2]) * T;
+            const S* x3 = xt + static_cast<int64_t>(col[k + 3]) * T;
+            Vec<S> a0{}, a1{}, a2{}, a3{};
+            for (int v = 0; v < NV; ++v) {
+              a0 += g[v] * load<S>(x0 + v * L);
+              a1 += g[v] * load<S>(x1 + v * L);
+              a2 += g[v] * load<S>(x2 + v * L);
+              a3 += g[v] * load<S>(x3 + v * L);
+            }
+            vals[k] += horizontal_sum<S>(a0);
+            vals[k + 1] += horizontal_sum<S>(a1);
+            vals[k + 2] += horizontal_sum<S>(a2);
+            vals[k + 3] += horizontal_sum<S>(a3);
+          }
+          for (; k < end; ++k) {
+            const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+            Vec<S> a0{};
+            for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
+            vals[k] += horizontal_sum<S>(a0);
+          }
+        }
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
+      S* row = D + i * K;
+      std::memset(row, 0, sizeof(S) * K);
+      for (int32_t k = crow[i]; k < crow[i + 1]; ++k) row[col[k]] = vals[k];
+    }
+  }
+  return 0;
+}
+
+// Vectors per token tile: enough for N tokens (up to 8), shrunk until the transposed tile(s) of
+// `features` rows fit `budget` bytes (about the L2 cache).
+template <typename S>
+int vectors_per_tile(int64_t N, int64_t features, int64_t budget) {
+  int nv = 1;
+  while (nv < 8 && nv * kLanes<S> < N) nv *= 2;
+  while (nv > 1 && static_cast<int64_t>(sizeof(S)) * features * nv * kLanes<S> > budget) nv /= 2;
+  return nv;
+}
+
+template <typename S>
+void spmm_dispatch(const int32_t* crow, const int32_t* col, const S* val, const S* X, int64_t N,
+                   int64_t K, int64_t M, S* Y, int threads) {
+  switch (vectors_per_tile<S>(N, K, 512 << 10)) {
+    case 1: return spmm<S, 1>(crow, col, val, X, N, K, M, Y, threads);
+    case 2: return spmm<S, 2>(crow, col, val, X, N, K, M, Y, threads);
+    case 4: return spmm<S, 4>(crow, col, val, X, N, K, M, Y, threads);
+    default: return spmm<S, 8>(crow, col, val, X, N, K, M, Y, threads);
+  }
+}
+
+template <typename S>
+int sddmm_dispatch(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N,
+                   int64_t K, int64_t M, S* D, int threads) {
+  switch (vectors_per_tile<S>(N, K + M, 2 << 20)) {
+    case 1: return sddmm<S, 1>(crow, col, G, X, N, K, M, D, threads);
+    case 2: return sddmm<S, 2>(crow, col, G, X, N, K, M, D, threads);
+    case 4: return sddmm<S, 4>(crow, col, G, X, N, K, M, D, threads);
+    default: return sddmm<S, 8>(crow, col, G, X, N, K, M, D, threads);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+void ls_spmm_f32(const int32_t* crow, const int32_t* col, const float* val, const float* X,
+                 int64_t N, int64_t K, int64_t M, float* Y, int threads) {
+  spmm_dispatch<float>(crow, col, val, X, N, K, M, Y, threads);
+}
+void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, const double* X,
+                 int64_t N, int64_t K, int64_t M, double* Y, int threads) {
+  spmm_dispatch<double>(crow, col, val, X, N, K, M, Y, threads);
+}
+int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
+                 int64_t N, int64_t K, int64_t M, float* D, int threads) {
+  return sddmm_dispatch<float>(crow, col, G, X, N, K, M, D, threads);
+}
+int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
+                 int64_t N, int64_t K, int64_t M, double* D, int threads) {
+  return sddmm_dispatch<double>(crow, col, G, X, N, K, M, D, threads);
+}
+}
+"""
+
+_CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=native")
+
+
+@functools.cache
+def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) once built and loaded, else (None, reason). Built at most once a process."""
+    if os.environ.get(COMPILE_ENV, "1") == "0":
+        return None, f"disabled by {COMPILE_ENV}=0"
+    try:
+        lib = ctypes.CDLL(str(_build_native()))
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"building the native kernels failed: {error}"
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    for suffix in ("f32", "f64"):
+        spmm = getattr(lib, f"ls_spmm_{suffix}")
+        spmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
+        spmm.restype = None
+        sddmm = getattr(lib, f"ls_sddmm_{suffix}")
+        sddmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
+        sddmm.restype = ctypes.c_int
+    return lib, None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the "compiled" path is unavailable (None when it is available); builds on first call."""
+    return _native_library()[1]
+
+
+def compiled_available() -> bool:
+    """Whether the native kernels are built and loaded (builds them on first call)."""
+    return _native_library()[0] is not None
+
+
+def _build_native() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler found; install g++ or set CXX")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    # -march=native code is only valid on this CPU, so the CPU is part of the cache key.
+    fingerprint = "\0".join([_CPP_SOURCE, compiler, version, *_CXX_FLAGS, _cpu_signature()])
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"wse_kernels_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source, built = Path(tmp) / "wse_kernels.cpp", Path(tmp) / target.name
+        source.write_text(_CPP_SOURCE)
+        result = subprocess.run(
+            [compiler, *_CXX_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr[-2000:]}")
+        # Atomic rename: concurrent builders (DDP ranks, test workers) never load a partial file.
+        os.replace(built, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_sparse"
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(
+        sorted({line for line in lines if line.split(":")[0].strip() in wanted})
+    )
+
+
+def _native_function(name: str, dtype: torch.dtype) -> Callable[..., int | None]:
+    lib, reason = _native_library()
+    if lib is None:
+        raise RuntimeError(f"the compiled path is unavailable: {reason}")
+    return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
+
+
+def _native_spmm(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, out: Tensor) -> None:
+    # out [N, M] = x2 [N, K] @ S^T for S [M, K] in CSR; every tensor contiguous on the CPU.
+    _native_function("ls_spmm", x2.dtype)(
+        crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
+        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def _native_sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
+    # out [M, K] = (grad_y2^T @ x2) at kept positions, zero elsewhere.
+    status = _native_function("ls_sddmm", x2.dtype)(
+        crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
+        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native SDDMM kernel could not allocate its work buffers")
+
+
+
+class _Backend(NamedTuple):
+    # matmul(crow, col, values, x2 [N, K], rows) -> x2 @ S^T [N, rows] for S [rows, K] in CSR.
+    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+    # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
+    sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
+
+
+def _torch_matmul(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int) -> Tensor:
+    sparse = torch.sparse_csr_tensor(crow, col, values, (rows, x2.shape[1]))
+    return torch.sparse.mm(sparse, x2.t()).t().contiguous()
+
+
+def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    pattern = torch.sparse_csr_tensor(
+        csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape
+    )
+    values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
+    return csr.to_dense(values)
+
+
+def _compiled_matmul(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int) -> Tensor:
+    out = x2.new_empty(x2.shape[0], rows)
+    _native_spmm(crow, col, values, x2, out)
+    return out
+
+
+def _compiled_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    dense = x2.new_empty(csr.shape)
+    _native_sddmm(csr.crow_indices, csr.col_indices, grad_y2, x2, dense)
+    return dense
+
+
+_BACKENDS = {
+    "torch": _Backend(_torch_matmul, _torch_sampled_grad),
+    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad),
+}
+
+
+class _SparseLinearFunction(torch.autograd.Function):
+    """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
+    ) -> Tensor:
+        x2 = x2.contiguous()
+        values = csr.gather_values(weight.detach())
+        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0])
+        if bias is not None:
+            y2 += bias.detach()
+        # `values` is a fresh gather, so later in-place updates of `weight` cannot corrupt backward.
+        ctx.save_for_backward(x2, values)
+        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        return y2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
+        x2, values = ctx.saved_tensors
+        csr, backend = ctx.csr, ctx.backend
+        grad_y2 = grad_y2.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            t_values = values.index_select(0, csr.t_perm)
+            grad_x = backend.matmul(
+                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1]
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w = backend.sampled_grad(csr, grad_y2, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y2.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _run_path(
+    path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None
+) -> Tensor:
+    if path == "dense":
+        return F.linear(x, weight * csr.mask, bias)
+    out_features, in_features = csr.shape
+    y2 = _SparseLinearFunction.apply(
+        x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path]
+    )
+    return y2.reshape(*x.shape[:-1], out_features)
+
+
+def _unsupported_reason(path: str, x: Tensor) -> str | None:
+    """Why `path` cannot run on `x` (None when it can)."""
+    if path == "compiled":
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+            return f"the compiled kernels need CPU float32/float64 tensors, got {x.device} {x.dtype}"
+        return native_unavailable_reason()
+    if path == "torch" and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
+        return f"PyTorch's CPU CSR kernels need float32/float64 tensors, got {x.dtype}"
+    return None
+
+
+def _requested_path(path: str | None) -> str:
+    requested = path if path is not None else os.environ.get(PATH_ENV, "auto")
+    if requested != "auto" and requested not in PATHS:
+        source = "path argument" if path is not None else f"{PATH_ENV} environment variable"
+        raise ValueError(f"{source} must be 'auto' or one of {PATHS}, got {requested!r}")
+    return requested
+
+
+def resolve_path(
+    x: Tensor, weight: Tensor, csr: CSRWeight, path: str | None = None, requires_grad: bool = True
+) -> str:
+    """The concrete path ("compiled", "torch" or "dense") a `sparse_linear` call would take.
+
+    Args:
+        x: input `[..., in]`.
+        weight: dense weight `[out, in]`.
+        csr: structure of the mask.
+        path: forced path, or "auto"/None to follow `LIGHTNING_SPARSE_WSE_PATH` (default "auto").
+        requires_grad: whether the call will be differentiated (auto-tuning times fwd+bwd then).
+
+    Returns:
+        The path. "auto" measures the candidates on first use of a key and caches the winner.
+
+    Raises:
+        ValueError: if the path name is unknown or a forced path cannot run on these tensors.
+    """
+    requested = _requested_path(path)
+    if requested != "auto":
+        reason = _unsupported_reason(requested, x)
+        if reason is not None:
+            raise ValueError(f"path {requested!r} cannot run here: {reason}")
+        return requested
+    tokens = x.numel() // max(x.shape[-1], 1)
+    key = _autotune_key(x, csr, tokens, requires_grad)
+    if key not in _AUTOTUNE_CACHE:
+        candidates = [p for p in PATHS if _unsupported_reason(p, x) is None]
+        _AUTOTUNE_CACHE[key] = _autotune(candidates, x, weight, csr, key[-2], requires_grad)
+    return _AUTOTUNE_CACHE[key]
+
+
+def _autotune_key(x: Tensor, csr: CSRWeight, tokens: int, requires_grad: bool) -> tuple:
+    # Quarter-octave density buckets and power-of-two token buckets: a GMP schedule or a short
+    # last batch reuses the choice instead of re-measuring.
+    density = max(1.0 - csr.sparsity, 1e-9)
+    density_bucket = round(4 * math.log2(density))
+    token_bucket = 1 << max(tokens - 1, 0).bit_length()
+    return (x.device.type, x.dtype, csr.shape, density_bucket, token_bucket, requires_grad)
+
+
+def _autotune(
+    candidates: list[str],
+    x: Tensor,
+    weight: Tensor,
+    csr: CSRWeight,
+    tokens: int,
+    requires_grad: bool,
+) -> str:
+    """Fastest candidate on synthetic data of the real shapes and structure (median, interleaved)."""
+    if len(candidates) == 1:
+        return candidates[0]
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    kwargs = {"device": x.device, "dtype": x.dtype, "generator": generator}
+    xs = torch.randn(tokens, csr.shape[1], **kwargs).requires_grad_(requires_grad)
+    ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
+    times: dict[str, list[float]] = {p: [] for p in candidates}
+    for repeat in range(_AUTOTUNE_REPEATS + 1):
+        for p in candidates:
+            elapsed = _time_once(p, xs, ws, csr, requires_grad)
+            if repeat:  # the first round is warm-up (allocator, caches, thread pool)
+                times[p].append(elapsed)
+    return min(candidates, key=lambda p: statistics.median(times[p]))
+
+
+def _time_once(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool) -> float:
+    x.grad = weight.grad = None
+    _synchronize(x.device)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        y = _run_path(path, x, weight, csr, None)
+        if backward:
+            y.sum().backward()
+    _synchronize(x.device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clear_autotune_cache() -> None:
+    """Forgets every "auto" choice, e.g. after changing `torch.set_num_threads`."""
+    _AUTOTUNE_CACHE.clear()
+
+
+def autotune_choices() -> dict[tuple, str]:
+    """A copy of the "auto" choices made so far, keyed by (device, dtype, shape, density bucket,
+    token bucket, grad)."""
+    return dict(_AUTOTUNE_CACHE)
+
+
+def sparse_linear(
+    x: Tensor,
+    weight: Tensor,
+    mask_or_csr: Tensor | CSRWeight,
+    bias: Tensor | None = None,
+    *,
+    path: str | None = None,
+) -> Tensor:
+    """Masked linear layer `F.linear(x, weight * mask, bias)` executed in CSR.
+
+    Args:
+        x: input `[..., in]`.
+        weight: dense weight `[out, in]` (the live parameter; values are gathered each call).
+        mask_or_csr: bool mask `[out, in]` (True = kept; converted on every call) or a prebuilt
+            `CSRWeight` (reuse it until the mask changes).
+        bias: optional `[out]`.
+        path: "compiled", "torch", "dense" or "auto"; None follows `LIGHTNING_SPARSE_WSE_PATH`.
+
+    Returns:
+        `[..., out]`. Gradients w.r.t. `x`, `weight` (dense, zero where pruned) and `bias` equal
+        those of masked dense training.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes or devices, or an unusable forced path.
+    """
+    csr = (
+        mask_or_csr
+        if isinstance(mask_or_csr, CSRWeight)
+        else CSRWeight.from_dense(weight, mask_or_csr)
+    )
+    _check_inputs(x, weight, csr, bias)
+    requires_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    chosen = resolve_path(x, weight, csr, path, requires_grad)
+    return _run_path(chosen, x, weight, csr, bias)
+
+
+def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:
+    if tuple(weight.shape) != csr.shape:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} != CSRWeight shape {csr.shape}; rebuild the "
+            "CSRWeight with CSRWeight.from_dense(weight, mask)"
+        )
+    if x.dim() == 0 or x.shape[-1] != csr.shape[1]:
+        raise ValueError(f"x must be [..., {csr.shape[1]}], got shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        bias_dtype = None if bias is None else bias.dtype
+        raise ValueError(
+            f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, {bias_dtype}"
+        )
+    if not x.device == weight.device == csr.device:
+        raise ValueError(
+            f"x, weight and CSRWeight must share a device, got {x.device}, {weight.device}, "
+            f"{csr.device}"
+        )
+    if bias is not None and tuple(bias.shape) != (csr.shape[0],):
+        raise ValueError(f"bias must be [{csr.shape[0]}], got shape {tuple(bias.shape)}")

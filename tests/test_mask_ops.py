@@ -1,0 +1,200 @@
+"""Tests for lightning_sparse.mask_ops: top-k with deterministic ties, drop-and-grow."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_sparse.mask_ops import check_sparsity, drop_and_grow, topk_mask
+
+NAN, INF = float("nan"), float("inf")
+FAST = settings(max_examples=60, deadline=None)
+
+
+def _order(row: list[float]) -> list[int]:
+    """Reference ranking: highest first, NaN as -inf, ties to the lower index."""
+    return sorted(range(len(row)), key=lambda i: (-(-INF if math.isnan(row[i]) else row[i]), i))
+
+
+def reference_topk(score: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    out = torch.zeros(score.shape, dtype=torch.bool)
+    for g, (row, k) in enumerate(zip(score.tolist(), ks, strict=True)):
+        out[g, _order(row)[:k]] = True
+    return out
+
+
+@st.composite
+def scores_and_ks(draw: st.DrawFn) -> tuple[torch.Tensor, list[int]]:
+    groups, n = draw(st.integers(1, 5)), draw(st.integers(1, 30))
+    # Few distinct values force ties; NaN and infinities are in the mix.
+    values = st.sampled_from([0.0, 1.0, 2.0, -1.0, NAN, INF, -INF])
+    rows = [[draw(values) for _ in range(n)] for _ in range(groups)]
+    ks = [draw(st.integers(0, n)) for _ in range(groups)]
+    return torch.tensor(rows), ks
+
+
+def test_topk_mask_hand_computed_ties_go_to_lower_index() -> None:
+    score = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0]])
+    expected = torch.tensor([[False, True, True, False], [True, True, False, False]])
+    assert torch.equal(topk_mask(score, 2), expected)
+    per_row = topk_mask(score, torch.tensor([1, 3]))
+    assert torch.equal(
+        per_row, torch.tensor([[False, True, False, False], [True, True, True, False]])
+    )
+
+
+def test_topk_mask_k_zero_and_k_n() -> None:
+    score = torch.randn(3, 5)
+    assert not topk_mask(score, 0).any()
+    assert topk_mask(score, 5).all()
+    assert torch.equal(topk_mask(score, torch.tensor([0, 5, 2])).sum(-1), torch.tensor([0, 5, 2]))
+
+
+def test_topk_mask_nan_ranks_as_minus_inf() -> None:
+    score = torch.tensor([[NAN, 0.0, -INF, 1.0]])
+    assert torch.equal(topk_mask(score, 2), torch.tensor([[False, True, False, True]]))
+    # NaN ties with -inf; the lower index wins.
+    assert torch.equal(topk_mask(score, 3), torch.tensor([[True, True, False, True]]))
+    assert torch.equal(topk_mask(torch.full((1, 3), NAN), 1), torch.tensor([[True, False, False]]))
+
+
+@FAST
+@given(scores_and_ks())
+def test_topk_mask_matches_reference(case: tuple[torch.Tensor, list[int]]) -> None:
+    score, ks = case
+    expected = reference_topk(score, ks)
+    assert torch.equal(topk_mask(score, torch.tensor(ks)), expected)
+    for k in set(ks):
+        assert torch.equal(topk_mask(score, k), reference_topk(score, [k] * len(ks)))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.int32, torch.bool])
+def test_topk_mask_dtypes(dtype: torch.dtype) -> None:
+    score = torch.tensor([[0, 1, 1, 0, 1]]).to(dtype)
+    assert torch.equal(topk_mask(score, 2), torch.tensor([[False, True, True, False, False]]))
+
+
+def test_topk_mask_same_under_any_thread_count() -> None:
+    gen = torch.Generator().manual_seed(0)
+    score = torch.randint(0, 4, (3, 50_000), generator=gen).float()  # massive ties
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = topk_mask(score, 20_000), topk_mask(score, torch.tensor([1, 25_000, 49_999]))
+        torch.set_num_threads(max(2, threads))
+        multi = topk_mask(score, 20_000), topk_mask(score, torch.tensor([1, 25_000, 49_999]))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single[0], multi[0]) and torch.equal(single[1], multi[1])
+    assert torch.equal(single[0], topk_mask(score.clone(), 20_000))
+
+
+def test_no_host_sync_works_on_meta_tensors() -> None:
+    # Meta tensors hold no data, so any .item()/bool() sync would raise.
+    score = torch.empty(4, 16, device="meta")
+    mask = torch.empty(4, 16, device="meta", dtype=torch.bool)
+    assert topk_mask(score, 5).device.type == "meta"
+    assert topk_mask(score, 12).shape == (4, 16)
+    assert drop_and_grow(score, score, mask, 2, 6).device.type == "meta"
+
+
+def test_topk_mask_errors_name_the_value() -> None:
+    with pytest.raises(ValueError, match="got 5"):
+        topk_mask(torch.zeros(2, 4), 5)
+    with pytest.raises(ValueError, match="got -1"):
+        topk_mask(torch.zeros(2, 4), -1)
+    with pytest.raises(TypeError, match="2.5"):
+        topk_mask(torch.zeros(2, 4), 2.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="0-d"):
+        topk_mask(torch.tensor(1.0), 1)
+
+
+def reference_drop_and_grow(
+    drop: torch.Tensor, grow: torch.Tensor, mask: torch.Tensor, n_drop: int, n_total: int
+) -> torch.Tensor:
+    out = torch.zeros_like(mask)
+    for g in range(mask.shape[0]):
+        active = [i for i in _order(drop[g].tolist()) if mask[g, i]]
+        kept = active[: max(len(active) - n_drop, 0)]
+        candidates = [i for i in _order(grow[g].tolist()) if i not in kept]
+        out[g, kept + candidates[: max(n_total - len(kept), 0)]] = True
+    return out
+
+
+def test_drop_and_grow_hand_computed() -> None:
+    mask = torch.tensor([[True, True, False, False, True, False]])
+    drop = torch.tensor([[3.0, 1.0, 0.0, 0.0, 2.0, 0.0]])
+    grow = torch.tensor([[0.0, 0.0, 5.0, 1.0, 0.0, 4.0]])
+    # Drop index 1 (weakest active); grow index 2 (strongest not kept).
+    expected = torch.tensor([[True, False, True, False, True, False]])
+    assert torch.equal(drop_and_grow(drop, grow, mask, 1, 3), expected)
+
+
+def test_drop_and_grow_may_regrow_a_just_dropped_connection() -> None:
+    mask = torch.tensor([[True, True, False, False]])
+    drop = torch.tensor([[2.0, 1.0, 0.0, 0.0]])
+    grow = torch.tensor([[0.0, 9.0, 1.0, 1.0]])  # index 1 is dropped, then grown back
+    assert torch.equal(drop_and_grow(drop, grow, mask, 1, 2), mask)
+
+
+def test_drop_and_grow_only_shrinks_while_denser_than_target() -> None:
+    mask = torch.ones(1, 8, dtype=torch.bool)
+    out = drop_and_grow(torch.arange(8.0).unsqueeze(0), torch.ones(1, 8), mask, 2, 4)
+    assert torch.equal(out, torch.tensor([[False] * 2 + [True] * 6]))
+
+
+def test_drop_and_grow_nan_never_crosses_the_mask() -> None:
+    mask = torch.tensor([[True, True, False, False, False, False]])
+    drop = torch.tensor([[NAN, NAN, 9.0, 9.0, 9.0, 9.0]])  # big scores only where inactive
+    grow = torch.tensor([[9.0, NAN, NAN, NAN, NAN, NAN]])  # big score only where kept
+    # Keep 0 (NaN ties, lower index); grow 2 of the NaN-scored rest, lower index first.
+    out = drop_and_grow(drop, grow, mask, 1, 3)
+    assert torch.equal(out, torch.tensor([[True, True, True, False, False, False]]))
+
+
+@FAST
+@given(
+    st.integers(1, 4),
+    st.integers(1, 25),
+    st.integers(0, 2**31 - 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+)
+def test_drop_and_grow_matches_reference(
+    groups: int, n: int, seed: int, density: float, drop_frac: float, target: float
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(groups, n, generator=gen) < density
+    drop = torch.randint(0, 3, (groups, n), generator=gen).float()  # ties
+    grow = torch.randint(0, 3, (groups, n), generator=gen).float()
+    n_drop, n_total = int(drop_frac * n), int(target * n)
+    out = drop_and_grow(drop, grow, mask, n_drop, n_total)
+    assert torch.equal(out, reference_drop_and_grow(drop, grow, mask, n_drop, n_total))
+    active = mask.sum(-1)
+    assert torch.equal(out.sum(-1), torch.clamp(active - n_drop, min=0).clamp(min=n_total))
+    per_row = drop_and_grow(
+        drop, grow, mask, torch.full((groups,), n_drop), torch.full((groups,), n_total)
+    )
+    assert torch.equal(per_row, out)
+
+
+def test_drop_and_grow_errors() -> None:
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        drop_and_grow(torch.zeros(2, 4), torch.zeros(2, 3), mask, 1, 2)
+    with pytest.raises(ValueError, match="float32"):
+        drop_and_grow(torch.zeros(2, 4), torch.zeros(2, 4), mask.float(), 1, 2)
+    with pytest.raises(ValueError, match="n_total.*got 5"):
+        drop_and_grow(torch.zeros(2, 4), torch.zeros(2, 4), mask, 1, 5)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.1, NAN, True, "0.5"])
+def test_check_sparsity_rejects(bad: object) -> None:
+    with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(".", r"\.")):
+        check_sparsity(bad)  # type: ignore[arg-type]
+    assert check_sparsity(0) == 0.0 and check_sparsity(0.9) == 0.9

@@ -1,0 +1,119 @@
+"""Tests for ByteTextDataModule: file-level split, determinism, user paths, errors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_sparse.data.text import ByteTextDataModule, is_validation_file, stdlib_files
+
+
+def make_dm(**kw) -> ByteTextDataModule:
+    kw = {"seq_len": 32, "batch_size": 4, "max_bytes": 50_000, "val_windows": 8, **kw}
+    dm = ByteTextDataModule(**kw)
+    dm.setup("fit")
+    return dm
+
+
+def first_batches(dm: ByteTextDataModule, n: int = 3) -> list[torch.Tensor]:
+    it = iter(dm.train_dataloader())
+    return [next(it) for _ in range(n)]
+
+
+def test_stdlib_split_is_by_file_deterministic_and_disjoint():
+    train_a, val_a = ByteTextDataModule().split_files()
+    train_b, val_b = ByteTextDataModule(seed=123).split_files()
+    assert train_a == train_b and val_a == val_b  # the seed never moves files between splits
+    assert set(train_a).isdisjoint(val_a)
+    assert 0 < len(val_a) < len(train_a) / 5
+    assert not any({"site-packages", "test", "tests"} & set(p.parts) for p in train_a + val_a)
+    assert len(train_a) + len(val_a) == len(stdlib_files())
+
+
+def test_split_rule_is_a_stable_hash_of_the_relative_path():
+    # Pinned values: changing the hash rule would silently move files between splits.
+    assert [is_validation_file(p, 20) for p in ["decimal.py", "os.py", "json/decoder.py"]] == [
+        True,
+        False,
+        False,
+    ]
+
+
+def test_batches_shape_dtype_and_shifted_windows():
+    dm = make_dm()
+    batch = first_batches(dm, 1)[0]
+    assert batch.shape == (4, 33) and batch.dtype == torch.long
+    assert int(batch.max()) < 256
+    assert dm.train_data.dtype == torch.uint8 and len(dm.train_data) == 50_000
+    val = next(iter(dm.val_dataloader()))
+    # Validation windows are contiguous: window i+1 starts where window i's targets end.
+    torch.testing.assert_close(val[0, -1], val[1, 0])
+    assert len(dm.val_dataloader().dataset) == 8
+
+
+def test_same_seed_same_batches_different_seed_different_batches():
+    a, b, c = (
+        first_batches(make_dm(seed=1)),
+        first_batches(make_dm(seed=1)),
+        first_batches(make_dm(seed=2)),
+    )
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(torch.equal(x, z) for x, z in zip(a, c, strict=True))
+    # Validation does not depend on the seed.
+    assert torch.equal(
+        next(iter(make_dm(seed=1).val_dataloader())), next(iter(make_dm(seed=2).val_dataloader()))
+    )
+
+
+def test_train_epoch_covers_every_window_once():
+    dm = make_dm(max_bytes=3_000)
+    starts = dm.train_dataloader().dataset.starts
+    assert sorted(starts.tolist()) == list(range(0, (3_000 - 1) // 32 * 32, 32))
+
+
+def write_corpus(root: Path, n: int = 12) -> list[str]:
+    names = []
+    for i in range(n):
+        path = root / f"sub{i % 3}" / f"doc{i}.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"document {i}: " + "lorem ipsum dolor sit amet " * 20)
+        names.append(path.relative_to(root).as_posix())
+    (root / "ignored.bin").write_bytes(bytes(range(256)))
+    return names
+
+
+def test_user_directory_split_by_file(tmp_path: Path):
+    names = write_corpus(tmp_path)
+    dm = make_dm(paths=[str(tmp_path)], pattern="*.txt", val_every=3)
+    train, val = dm.split_files()
+    expected_val = {n for n in names if is_validation_file(n, 3)}
+    assert {p.relative_to(tmp_path).as_posix() for p in val} == expected_val
+    assert len(train) + len(val) == len(names)  # ignored.bin does not match the pattern
+    assert set(train).isdisjoint(val)
+    assert bytes(dm.train_data[:9].tolist()) == b"document "
+
+
+def test_user_files_with_explicit_validation(tmp_path: Path):
+    train_file, val_file = tmp_path / "train.txt", tmp_path / "val.txt"
+    train_file.write_text("a" * 500)
+    val_file.write_text("b" * 500)
+    dm = make_dm(paths=[str(train_file)], val_paths=[str(val_file)])
+    assert set(dm.train_data.tolist()) == {ord("a")}
+    assert set(dm.val_data.tolist()) == {ord("b")}
+
+
+def test_errors_name_the_problem(tmp_path: Path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="nope"):
+        make_dm(paths=[str(missing)])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty"):
+        make_dm(paths=[str(tmp_path / "empty")])
+    single = tmp_path / "one.txt"
+    single.write_text("x" * 1000)
+    with pytest.raises(ValueError, match="val_paths"):
+        make_dm(paths=[str(single)])
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    with pytest.raises(ValueError, match="seq_len"):
+        make_dm(paths=[str(single)], val_paths=[str(short)])

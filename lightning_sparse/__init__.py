@@ -14,6 +14,9 @@ from lightning_sparse.algorithms import (
     Static,
 )
 from lightning_sparse.configure import configure
+from lightning_sparse.conversion import convert_nan_checkpoint, densify
+from lightning_sparse.filters import default_sparse_param_filter
+from lightning_sparse.report import SparsityReport, sparsity_report
 from lightning_sparse.sparse_parameter import SparseParameter
 
 __version__ = "0.1.0"
@@ -28,5 +31,10 @@ __all__ = [
     "SparseParameter",
     "SparsityAlgorithm",
     "Static",
+    "SparsityReport",
     "configure",
+    "convert_nan_checkpoint",
+    "default_sparse_param_filter",
+    "densify",
+    "sparsity_report",
 ]

@@ -104,6 +104,13 @@ struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
 constexpr int64_t kRowBlock = 16;  // output rows per scheduling unit (one cache line of floats)
 constexpr int64_t kColBlock = 32;  // features per transpose work item
 
+// One thread for small problems: a parallel region costs a few microseconds, and when the cores
+// are oversubscribed a descheduled team member stalls every barrier for a whole time slice.
+inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
+  const int64_t work = (nnz + features) * std::max<int64_t>(N, 1);
+  return work < (int64_t{1} << 18) ? 1 : std::max(threads, 1);
+}
+
 // dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
 // the kernels always run full-width vectors.
 template <typename S, int T>
@@ -124,6 +131,7 @@ void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, int
   constexpr int T = NV * L;
   Buffer xbuf(sizeof(S) * K * T);
   S* xt = static_cast<S*>(xbuf.ptr);
+  threads = threads_for(crow[M], N, K + M, threads);
 #pragma omp parallel num_threads(threads)
   {
     alignas(64) S block[kRowBlock * T];
@@ -167,6 +175,7 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
   S* gt = static_cast<S*>(gbuf.ptr);
   S* xt = static_cast<S*>(xbuf.ptr);
   S* vals = static_cast<S*>(vbuf.ptr);
+  threads = threads_for(nnz, N, K + M, threads);
 #pragma omp parallel num_threads(threads)
   {
 #pragma omp for schedule(static)

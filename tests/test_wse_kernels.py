@@ -1,0 +1,252 @@
+"""CSR kernels of the emulated wafer-scale device against masked dense references.
+
+Every execution path must equal `F.linear(x, weight * mask, bias)` (computed in float64) in value
+and in the gradients w.r.t. x, weight (dense, zero where pruned) and bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_sparse.wse import CSRWeight, kernels, sparse_linear
+from lightning_sparse.wse.kernels import PATH_ENV, autotune_choices, clear_autotune_cache
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
+
+# The native library is built (or loaded from the disk cache) once per test session.
+COMPILED = pytest.param(
+    "compiled",
+    marks=pytest.mark.skipif(
+        not kernels.compiled_available(),
+        reason=f"native kernels unavailable: {kernels.native_unavailable_reason()}",
+    ),
+)
+SPARSE_PATHS = ["torch", COMPILED]
+ALL_PATHS = ["torch", COMPILED, "dense"]
+
+
+@pytest.fixture(autouse=True)
+def _no_forced_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PATH_ENV, raising=False)
+
+
+def _mask(shape: tuple[int, int], sparsity: float, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.rand(shape, generator=generator) >= sparsity
+
+
+# --- CSRWeight -------------------------------------------------------------------------------
+
+
+def test_csr_structure_hand_computed() -> None:
+    weight = torch.arange(1.0, 10.0).view(3, 3)
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    csr = CSRWeight.from_dense(weight, mask)
+    assert csr.crow_indices.tolist() == [0, 2, 2, 4]
+    assert csr.col_indices.tolist() == [0, 2, 0, 1]
+    assert csr.values.tolist() == [1.0, 3.0, 7.0, 8.0]
+    assert csr.flat_indices.tolist() == [0, 2, 6, 7]
+    # Columns of W: col 0 holds rows 0, 2 (CSR positions 0, 2); col 1 row 2 (3); col 2 row 0 (1).
+    assert csr.t_crow_indices.tolist() == [0, 2, 3, 4]
+    assert csr.t_col_indices.tolist() == [0, 2, 2, 0]
+    assert csr.t_perm.tolist() == [0, 2, 3, 1]
+    assert csr.crow_indices.dtype == csr.col_indices.dtype == torch.int32
+    assert csr.t_crow_indices.dtype == csr.t_col_indices.dtype == torch.int32
+    assert (csr.nnz, csr.sparsity) == (4, pytest.approx(5 / 9))
+
+
+def test_csr_round_trips_and_keeps_zero_valued_weights() -> None:
+    weight = torch.randn(13, 7)
+    mask = _mask((13, 7), 0.6, seed=1)
+    weight[mask.nonzero()[0].tolist()] = 0.0  # a kept weight that happens to be zero
+    csr = CSRWeight.from_dense(weight, mask)
+    assert csr.nnz == int(mask.sum())
+    torch.testing.assert_close(csr.to_dense(), weight * mask)
+    torch.testing.assert_close(csr.to_torch_csr().to_dense(), weight * mask)
+    torch.testing.assert_close(csr.to_torch_csr(transposed=True).to_dense(), (weight * mask).t())
+
+
+def test_csr_snapshots_mask_and_gathers_live_values() -> None:
+    weight, mask = torch.randn(4, 6), _mask((4, 6), 0.5, seed=2)
+    csr = CSRWeight.from_dense(weight, mask)
+    expected_mask = mask.clone()
+    mask.fill_(True)  # mutating the caller's mask must not change the structure
+    assert torch.equal(csr.mask, expected_mask)
+    torch.testing.assert_close(csr.gather_values(2 * weight), 2 * csr.values)
+
+
+@pytest.mark.parametrize(
+    ("weight", "mask", "match"),
+    [
+        (torch.randn(3, 4), torch.ones(3, 4), "torch.bool"),
+        (torch.randn(3, 4), torch.ones(4, 3, dtype=torch.bool), "must equal weight shape"),
+        (torch.randn(12), torch.ones(12, dtype=torch.bool), "2-D"),
+    ],
+)
+def test_csr_rejects_bad_inputs(weight: torch.Tensor, mask: torch.Tensor, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CSRWeight.from_dense(weight, mask)
+
+
+# --- sparse_linear against masked dense references --------------------------------------------
+
+# (out, in), input shape, sparsity, pruned rows, pruned columns
+CASES = {
+    "tiny": ((8, 5), (3, 5), 0.5, [], []),
+    "wide": ((6, 40), (9, 40), 0.7, [], []),
+    "tall": ((70, 12), (11, 12), 0.7, [], []),
+    "one_token": ((64, 48), (1, 48), 0.9, [], []),
+    "tokens_3d": ((48, 64), (2, 7, 64), 0.8, [], []),
+    "dense_mask": ((40, 30), (17, 30), 0.0, [], []),
+    "sparsity_99.9": ((100, 1000), (33, 1000), 0.999, [], []),
+    "empty_rows_cols": ((24, 20), (19, 20), 0.5, [0, 5, 23], [0, 7, 19]),
+    "all_pruned": ((10, 9), (4, 9), 1.0, [], []),
+    # More tokens than one tile (padding of the last tile), features past the L2 tile budget.
+    "multi_tile": ((72, 2100), (300, 2100), 0.95, [3], [11]),
+}
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_masked_dense(path: str, case: str) -> None:
+    (out_features, in_features), x_shape, sparsity, rows, cols = CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    weight = torch.randn(out_features, in_features, generator=generator, requires_grad=True)
+    bias = torch.randn(out_features, generator=generator, requires_grad=True)
+    x = torch.randn(x_shape, generator=generator, requires_grad=True)
+    mask = _mask((out_features, in_features), sparsity, seed=3)
+    mask[rows, :] = False
+    mask[:, cols] = False
+    grad_y = torch.randn(*x_shape[:-1], out_features, generator=generator)
+
+    y = sparse_linear(x, weight, CSRWeight.from_dense(weight, mask), bias, path=path)
+    grads = torch.autograd.grad(y, (x, weight, bias), grad_y)
+
+    ref_inputs = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    y_ref = F.linear(ref_inputs[0], ref_inputs[1] * mask, ref_inputs[2])
+    ref_grads = torch.autograd.grad(y_ref, ref_inputs, grad_y.double())
+    tolerance = {"atol": 1e-4, "rtol": 1e-4}
+    assert y.shape == y_ref.shape
+    torch.testing.assert_close(y, y_ref.float(), **tolerance)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad.float(), **tolerance)
+    assert not grads[1][~mask].any(), "weight gradient must be exactly zero where pruned"
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+def test_gradcheck_float64(path: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    mask = _mask((5, 6), 0.5, seed=4)
+    mask[1, :] = False
+    mask[:, 2] = False
+    csr = CSRWeight.from_dense(torch.zeros(5, 6, dtype=torch.float64), mask)
+    inputs = (
+        torch.randn(2, 3, 6, dtype=torch.float64, generator=generator, requires_grad=True),
+        torch.randn(5, 6, dtype=torch.float64, generator=generator, requires_grad=True),
+        torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True),
+    )
+    assert torch.autograd.gradcheck(
+        lambda x, w, b: sparse_linear(x, w, csr, b, path=path), inputs
+    )
+
+
+@pytest.mark.parametrize("path", SPARSE_PATHS)
+def test_non_contiguous_input_and_expanded_gradient(path: str) -> None:
+    weight = torch.randn(9, 16, requires_grad=True)
+    x = torch.randn(16, 5).t().requires_grad_()  # [5, 16] view, not contiguous
+    mask = _mask((9, 16), 0.6, seed=5)
+    # sum().backward() hands the Function a stride-0 (expanded) gradient.
+    sparse_linear(x, weight, mask, path=path).sum().backward()
+    x_ref, w_ref = x.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    F.linear(x_ref, w_ref * mask).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(weight.grad, w_ref.grad)
+
+
+@pytest.mark.parametrize("path", SPARSE_PATHS)
+def test_backward_uses_weight_values_of_forward(path: str) -> None:
+    weight = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(3, 4, requires_grad=True)
+    mask = _mask((6, 4), 0.5, seed=6)
+    expected = torch.autograd.grad(F.linear(x, weight * mask).sum(), x)[0]
+    y = sparse_linear(x, weight, mask, path=path)
+    with torch.no_grad():
+        weight.mul_(3.0)  # an in-place update between forward and backward
+    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], expected)
+
+
+# --- path selection ----------------------------------------------------------------------------
+
+
+def _small_problem() -> tuple[torch.Tensor, torch.Tensor, CSRWeight]:
+    weight = torch.randn(32, 24)
+    return torch.randn(5, 24), weight, CSRWeight.from_dense(weight, _mask((32, 24), 0.9, seed=7))
+
+
+@pytest.mark.parametrize("forced", ["torch", COMPILED, "dense"])
+def test_environment_variable_forces_path(monkeypatch: pytest.MonkeyPatch, forced: str) -> None:
+    x, weight, csr = _small_problem()
+    monkeypatch.setenv(PATH_ENV, forced)
+    assert kernels.resolve_path(x, weight, csr) == forced
+    assert kernels.resolve_path(x, weight, csr, path="dense") == "dense"  # argument wins
+
+
+@pytest.mark.parametrize("path", ["bogus", "Compiled"])
+def test_unknown_path_names_the_choices(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    x, weight, csr = _small_problem()
+    with pytest.raises(ValueError, match="'auto' or one of"):
+        sparse_linear(x, weight, csr, path=path)
+    monkeypatch.setenv(PATH_ENV, path)
+    with pytest.raises(ValueError, match=PATH_ENV):
+        sparse_linear(x, weight, csr)
+
+
+def test_forced_compiled_path_reports_why_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
+    x, weight, csr = _small_problem()
+    monkeypatch.setattr(kernels, "_native_library", lambda: (None, "no compiler in this test"))
+    with pytest.raises(ValueError, match="no compiler in this test"):
+        sparse_linear(x, weight, csr, path="compiled")
+    with pytest.raises(ValueError, match="CPU float32/float64"):
+        sparse_linear(x.half(), weight.half(), csr, path="compiled")
+    clear_autotune_cache()
+    assert kernels.resolve_path(x, weight, csr, path="auto") in ("torch", "dense")
+
+
+@pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
+def test_compiled_path_runs_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("_native_spmm", "_native_sddmm"):
+        original = getattr(kernels, name)
+        monkeypatch.setattr(
+            kernels, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1]
+        )
+    x, weight, csr = _small_problem()
+    x.requires_grad_(), weight.requires_grad_()
+    sparse_linear(x, weight, csr, path="compiled").sum().backward()
+    assert sorted(calls) == ["_native_sddmm", "_native_spmm", "_native_spmm"]
+
+
+def test_auto_measures_once_and_caches_choice() -> None:
+    clear_autotune_cache()
+    x, weight, csr = _small_problem()
+    weight.requires_grad_()
+    y = sparse_linear(x, weight, csr)
+    torch.testing.assert_close(y, F.linear(x, weight * csr.mask))
+    choices = autotune_choices()
+    assert len(choices) == 1 and next(iter(choices.values())) in kernels.PATHS
+    sparse_linear(torch.randn(7, 24), weight, csr)  # same token bucket (8): no new measurement
+    assert autotune_choices() == choices
+
+
+def test_rejects_mismatched_inputs() -> None:
+    x, weight, csr = _small_problem()
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., 24\]"):
+        sparse_linear(torch.randn(5, 23), weight, csr)
+    with pytest.raises(ValueError, match="share a dtype"):
+        sparse_linear(x.double(), weight, csr)
+    with pytest.raises(ValueError, match="rebuild the CSRWeight"):
+        sparse_linear(torch.randn(5, 25), torch.randn(32, 25), csr)
+    with pytest.raises(ValueError, match=r"bias must be \[32\]"):
+        sparse_linear(x, weight, csr, torch.randn(31))

@@ -25,9 +25,11 @@ from lightning_sparse.filters import ParamFilter, make_param_filter, regex_filte
 __all__ = ["algorithm_class", "available_algorithms", "configure", "load_sparsity_block"]
 
 _LEGACY_KEYS = {"type", "param_name_patterns", "sparsity_schedule"}
-_IGNORED_KEYS = {"add_summaries": "log with the Lightning logger instead", "dump_masks": "masks "
-                 "are saved as <param>_mask in every checkpoint", "tiebreak": "ties are always "
-                 "broken deterministically"}
+_IGNORED_KEYS = {
+    "add_summaries": "log with the Lightning logger instead",
+    "dump_masks": "masks are saved as <param>_mask in every checkpoint",
+    "tiebreak": "ties are always broken deterministically",
+}
 _PARAMS_FILE_KEYS = {"trainer", "model", "train_input", "eval_input", "optimizer", "runconfig"}
 
 ConfigType = float | Mapping[str, Any] | Sequence[Mapping[str, Any]] | str | os.PathLike | None
@@ -68,7 +70,11 @@ def load_sparsity_block(path: str | os.PathLike) -> Any:
         raise FileNotFoundError(f"sparsity config {str(path)!r} does not exist")
     data = yaml.safe_load(path.read_text())
     if isinstance(data, Mapping) and _PARAMS_FILE_KEYS & set(data):
-        init = (data.get("trainer") or {}).get("init") if isinstance(data.get("trainer"), Mapping) else None
+        init = (
+            (data.get("trainer") or {}).get("init")
+            if isinstance(data.get("trainer"), Mapping)
+            else None
+        )
         if isinstance(init, Mapping) and "sparsity" in init:
             return init["sparsity"]
         return data.get("sparsity")
@@ -121,8 +127,11 @@ def _expand(entry: Any) -> list[dict[str, Any]]:
     patterns = entry.get("param_name_patterns")
     if isinstance(patterns, Mapping):
         return [
-            {**{k: v for k, v in entry.items() if k != "param_name_patterns"},
-             **(overrides or {}), "param_name_patterns": pattern}
+            {
+                **{k: v for k, v in entry.items() if k != "param_name_patterns"},
+                **(overrides or {}),
+                "param_name_patterns": pattern,
+            }
             for pattern, overrides in patterns.items()
         ]
     return [entry]
@@ -177,7 +186,11 @@ def _pop_algorithm_name(spec: dict[str, Any]) -> str:
 
 
 def _is_cadence(value: Any) -> bool:
-    return isinstance(value, int) or isinstance(value, Mapping) and ("freq" in value or "steps" in value)
+    return (
+        isinstance(value, int)
+        or isinstance(value, Mapping)
+        and ("freq" in value or "steps" in value)
+    )
 
 
 def _unzip_sparsity_schedule(pairs: Any) -> tuple[list[float], dict[str, list[int]]]:
@@ -194,7 +207,9 @@ def _unzip_sparsity_schedule(pairs: Any) -> tuple[list[float], dict[str, list[in
 def _pop_filter(spec: dict[str, Any]) -> ParamFilter | None:
     glob_spec, regex_spec = spec.pop("param_filter", None), spec.pop("param_name_patterns", None)
     if glob_spec is not None and regex_spec is not None:
-        raise ValueError("give either param_filter (globs) or param_name_patterns (regexes), not both")
+        raise ValueError(
+            "give either param_filter (globs) or param_name_patterns (regexes), not both"
+        )
     if regex_spec is not None:
         if isinstance(regex_spec, str) or (
             isinstance(regex_spec, Sequence) and all(isinstance(p, str) for p in regex_spec)

@@ -42,7 +42,9 @@ def default_sparse_param_filter(name: str, param: torch.Tensor | None) -> bool:
     return not any(part in lowered for part in _DENSE_NAME_PARTS)
 
 
-def is_dense_by_module(module: nn.Module, module_name: str, tied_ids: set[int], p: torch.Tensor) -> bool:
+def is_dense_by_module(
+    module: nn.Module, module_name: str, tied_ids: set[int], p: torch.Tensor
+) -> bool:
     """Module-type half of the default filter: embeddings, norms, the output head, tied weights.
 
     Args:

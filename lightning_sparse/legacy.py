@@ -49,9 +49,9 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
     """A drop-in optimizer: the wrapped optimizer, plus sparsity state in its checkpoints.
 
     ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's (read through to it,
-    so they stay the same objects even after it reloads its state), which makes torch LR
-    schedulers, gradient clipping and Lightning work on the wrapper unchanged. Step hooks
-    registered on the wrapper run around the wrapped optimizer's step.
+    so they stay the same objects even after it reloads its state): torch LR schedulers work on
+    the wrapper unchanged. Step and state-dict hooks registered on the wrapper run around the
+    wrapped optimizer's step and state dict.
 
     Cerebras 2.0 API: ``cerebras_pytorch.sparse.SparsityWrapperOptimizer(optimizer,
     sparsity_optimizer)``.
@@ -128,8 +128,11 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output; without ``"sparsity"`` (a dense optimizer checkpoint)
-        the algorithm keeps its state, as in Cerebras 2.0."""
+        """Restore ``state_dict()`` output (a dense optimizer's state dict leaves sparsity as is).
+
+        As in Cerebras 2.0, a state dict without ``"sparsity"`` (from the dense optimizer) loads
+        into the wrapped optimizer only; the algorithm keeps its step and schedule state.
+        """
         state = dict(state_dict)  # 2.0 popped "sparsity" from the caller's dict
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             state = pre_hook(self, state) or state

@@ -1,4 +1,4 @@
-"""`sparsity_report`: per-parameter shape / sparsity / nonzeros of a sparsified model, and totals."""
+"""`sparsity_report`: per-parameter shape / sparsity / nonzeros of a model, and totals."""
 
 from __future__ import annotations
 

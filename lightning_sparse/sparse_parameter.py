@@ -29,7 +29,8 @@ class SparseParameter:
 
     Args:
         module: the module whose ``_parameters`` holds the parameter.
-        name: full dotted name from the root the algorithm was applied to (``"layers.0.fc1.weight"``).
+        name: full dotted name from the root the algorithm was applied to
+            (``"layers.0.fc1.weight"``).
         param_name: attribute name on ``module`` (``"weight"``).
     """
 

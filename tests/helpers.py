@@ -37,7 +37,9 @@ class TinyLM(pl.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
         logits = self.net(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
         self.log("train/loss", loss)
         return loss
 
@@ -77,3 +79,19 @@ def trainer(tmp_path: object = None, **kwargs: object) -> pl.Trainer:
         defaults["default_root_dir"] = str(tmp_path)
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+def assert_state_equal(a: object, b: object, path: str = "state") -> None:
+    """Recursive exact equality of nested dicts / lists / tensors / scalars."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{path}: keys {a.keys()} != {b}"
+        for key in a:
+            assert_state_equal(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_state_equal(x, y, f"{path}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and torch.equal(a, b), path
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"

@@ -15,7 +15,7 @@ from lightning_sparse import (
     densify,
     sparsity_report,
 )
-from tests.helpers import TinyNet
+from tests.helpers import TinyNet, assert_state_equal
 
 SPARSE = ["fc1.weight", "fc2.weight"]
 
@@ -49,7 +49,11 @@ def _setup(make) -> tuple[TinyNet, object, torch.optim.Optimizer]:
     [
         lambda: Static(sparsity=0.6),
         lambda: SET(sparsity=0.6, update={"freq": 2}, drop_fraction=[0.5, 0.2]),
-        lambda: RigL(sparsity=0.6, update={"freq": 3}, drop_fraction={"type": "cosine", "init": 0.4, "half_period": 6}),
+        lambda: RigL(
+            sparsity=0.6,
+            update={"freq": 3},
+            drop_fraction={"type": "cosine", "init": 0.4, "half_period": 6},
+        ),
     ],
     ids=["static", "set-cycling-drop", "rigl-cosine"],
 )
@@ -60,7 +64,11 @@ def test_state_dict_resume_is_bit_exact(make) -> None:
     model_a, sparsity_a, optimizer_a = _setup(make)
     _train(model_a, sparsity_a, optimizer_a, range(5))
     saved = copy.deepcopy(
-        {"model": model_a.state_dict(), "optim": optimizer_a.state_dict(), "sparsity": sparsity_a.state_dict()}
+        {
+            "model": model_a.state_dict(),
+            "optim": optimizer_a.state_dict(),
+            "sparsity": sparsity_a.state_dict(),
+        }
     )
     model_b, sparsity_b, optimizer_b = _setup(make)  # fresh process stand-in: new objects
     model_b.load_state_dict(saved["model"])
@@ -70,7 +78,7 @@ def test_state_dict_resume_is_bit_exact(make) -> None:
 
     for key, value in model.state_dict().items():
         assert torch.equal(value, model_b.state_dict()[key]), key
-    assert sparsity.state_dict() == sparsity_b.state_dict()
+    assert_state_equal(sparsity.state_dict(), sparsity_b.state_dict())
 
 
 def test_dense_checkpoint_gets_masks_applied() -> None:
@@ -148,7 +156,9 @@ def test_sparsity_hooks_report_target_and_computed() -> None:
     events: list[tuple[str, str, float]] = []
     sparsity = SET(sparsity=0.5, update={"freq": 1})
     sparsity.register_target_sparsity_hook(lambda a, n, v: events.append(("target", n, v)))
-    handle = sparsity.register_computed_sparsity_hook(lambda a, n, v: events.append(("computed", n, float(v))))
+    handle = sparsity.register_computed_sparsity_hook(
+        lambda a, n, v: events.append(("computed", n, float(v)))
+    )
     torch.manual_seed(0)
     model = TinyNet()
     model.apply(sparsity)

@@ -41,6 +41,29 @@ def one_thread() -> Iterator[None]:
 
 # ---------------------------------------------------------------------------- optimizers
 
+
+class DenseNudge(torch.optim.Optimizer):
+    """An optimizer whose update is dense even where the gradient is 0, with lazily made state.
+
+    Exercises the post-step guard (weights re-pruned after every step) and the pruning of state
+    that an optimizer creates inside its first ``step``.
+    """
+
+    def __init__(self, params: list[nn.Parameter], lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if "trace" not in state:
+                    state["trace"] = torch.ones_like(p)
+                p.add_(group["lr"]).add_(state["trace"], alpha=group["lr"])
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd_nesterov_wd": lambda p: torch.optim.SGD(
         p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-2
@@ -52,6 +75,7 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(
         p, lr=0.01, centered=True, momentum=0.9
     ),
+    "dense_update": lambda p: DenseNudge(p, lr=0.01),
 }
 
 # ---------------------------------------------------------------------------- models

@@ -28,8 +28,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_sparse.filters import ParamFilter, default_sparse_param_filter, is_dense_by_module
-from lightning_sparse.filters import make_param_filter
+from lightning_sparse.distributions import make_distribution
+from lightning_sparse.filters import (
+    ParamFilter,
+    default_sparse_param_filter,
+    is_dense_by_module,
+    make_param_filter,
+)
 from lightning_sparse.init_methods import make_init_method
 from lightning_sparse.rng import generator_for
 from lightning_sparse.sparse_parameter import SparseParameter, mask_buffer_name
@@ -70,6 +75,13 @@ class SparsityAlgorithm(pl.Callback, ABC):
             embeddings, normalisation or the output head. Inside a ``Group`` the group's filter
             decides instead.
         seed: seeds every random choice through ``(seed, step, parameter name)``.
+        distribution: how a global sparsity target is spread over layers: ``uniform`` (every
+            layer at the target), ``er`` or ``erk`` (Evci et al. 2020, arXiv:1911.11134:
+            density proportional to the layer's dimension sum over its size, layers that would
+            exceed density 1 kept dense); the parameter-weighted sparsity equals the target.
+        erk_power_scale: exponent on the ER/ERK raw scores (1.0 in the paper).
+        track_itop: keep a bool "ever active" tensor per parameter for the ITOP rate (Liu et al.
+            2021, "Do we actually need dense over-parameterization?", arXiv:2102.02887).
     """
 
     _instance_counts: dict[str, int] = {}
@@ -79,8 +91,15 @@ class SparsityAlgorithm(pl.Callback, ABC):
         init_method: str | Callable[..., torch.Tensor] = "random",
         param_filter: str | list[str] | ParamFilter | None = None,
         seed: int = 0,
+        distribution: str = "uniform",
+        erk_power_scale: float = 1.0,
+        track_itop: bool = True,
     ) -> None:
         self.init_method = make_init_method(init_method)
+        self.distribution = make_distribution(distribution)
+        self.distribution_name = distribution
+        self.erk_power_scale = float(erk_power_scale)
+        self.track_itop = track_itop
         self.param_filter = make_param_filter(param_filter)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed={seed!r} must be an int")
@@ -102,6 +121,11 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._optimizer_version: dict[int, int] = {}
         self._optimizer_state_len: dict[int, int] = {}
         self._dense_grad_needed = False
+        self._shapes: dict[str, torch.Size] = {}
+        self._layer_cache: dict[float, dict[str, float]] = {}
+        self.ever_active: dict[str, torch.Tensor] = {}
+        self.last_update: dict[str, dict[str, torch.Tensor]] = {}
+        self._update_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._target_hooks: OrderedDict[int, SparsityHook] = OrderedDict()
         self._computed_hooks: OrderedDict[int, SparsityHook] = OrderedDict()
 
@@ -113,6 +137,17 @@ class SparsityAlgorithm(pl.Callback, ABC):
     @abstractmethod
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Update the masks for the current step (a no-op on steps that are not update steps)."""
+
+    def layer_sparsity(self, name: str, sparsity: float) -> float:
+        """Sparsity of parameter ``name`` when the global target is ``sparsity``."""
+        if self.distribution_name == "uniform" or name not in self._shapes:
+            return sparsity
+        if sparsity not in self._layer_cache:
+            kwargs = (
+                {} if self.distribution_name == "uniform" else {"power_scale": self.erk_power_scale}
+            )
+            self._layer_cache = {sparsity: self.distribution(self._shapes, sparsity, **kwargs)}
+        return self._layer_cache[sparsity][name]
 
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was computed for."""
@@ -184,8 +219,18 @@ class SparsityAlgorithm(pl.Callback, ABC):
             )
         self.attach(root, chosen)
 
+    def prepare(self, chosen: list[Candidate]) -> None:
+        """Record the shapes of the parameters about to be sparsified (layer distributions)."""
+        self._shapes = {name: param.shape for name, _, _, param in chosen}
+        self._layer_cache = {}
+
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
+        """Masks at ``apply`` time, one per chosen parameter."""
+        return [self.initial_mask(name, param) for name, _, _, param in chosen]
+
     def attach(self, root: nn.Module, chosen: list[Candidate]) -> None:
         """Create masks for ``chosen`` parameters of ``root``: validate all, then modify."""
+        self.prepare(chosen)
         for name, module, attr, param in chosen:
             if mask_buffer_name(attr) in module._buffers:
                 raise RuntimeError(
@@ -195,17 +240,23 @@ class SparsityAlgorithm(pl.Callback, ABC):
             if getattr(param, "requires_dense", False):
                 raise RuntimeError(f"{name!r} has requires_dense=True and cannot be sparsified")
             self.validate_param(name, param)
-        masks = [self.initial_mask(name, param) for name, _, _, param in chosen]
+        masks = self.initial_masks(chosen)
         self._root = root
         for (name, module, attr, param), mask in zip(chosen, masks, strict=True):
             sp = SparseParameter(module, name, attr)
             sp.register_mask(mask)
             sp.prune_()
             self.sparse_params[name] = sp
-            self._param_handles.append(param.register_post_accumulate_grad_hook(self._grad_hook(sp)))
+            self._param_handles.append(
+                param.register_post_accumulate_grad_hook(self._grad_hook(sp))
+            )
+            if self.track_itop:
+                self.ever_active[name] = sp.mask.clone()
         if chosen:
             self._param_handles.append(root.register_load_state_dict_pre_hook(self._load_pre_hook))
-            self._param_handles.append(root.register_load_state_dict_post_hook(self._load_post_hook))
+            self._param_handles.append(
+                root.register_load_state_dict_post_hook(self._load_post_hook)
+            )
             registry = root.__dict__.setdefault("_lightning_sparse_algorithms", [])
             registry.append(self)
         self._mask_version += 1
@@ -287,7 +338,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._prune_optimizer_state(optimizer, sps)
         self._optimizer_version[key] = self._mask_version
 
-    def _prune_optimizer_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
+    def _prune_optimizer_state(
+        self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]
+    ) -> None:
         with torch.no_grad():
             for sp in sps:
                 for value in optimizer.state.get(sp.param, {}).values():
@@ -301,14 +354,41 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
     def set_masks_(self, masks: dict[str, torch.Tensor]) -> None:
         """Install new masks (name -> bool mask), prune weights, and mark optimizers for pruning."""
+        stats: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for name, mask in masks.items():
                 sp = self.sparse_params[name]
-                sp.mask.copy_(mask)
+                old = sp.mask
+                stats[name] = {
+                    "dropped": (old & ~mask).count_nonzero(),
+                    "grown": (mask & ~old).count_nonzero(),
+                }
+                old.copy_(mask)
                 sp.prune_()
+                if name in self.ever_active:
+                    self.ever_active[name] |= mask
+                    stats[name]["itop"] = self.ever_active[name].count_nonzero() / mask.numel()
+                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+        self.last_update = stats
         self._mask_version += 1
         self._mask_step = self.step
         self._emit_sparsity_hooks()
+        for hook in self._update_hooks.values():
+            hook(self, self.step, stats)
+
+    def itop_rate(self) -> torch.Tensor:
+        """Share of the sparse weights that were ever active (0-d tensor; no host sync)."""
+        if not self.ever_active:
+            return torch.zeros(())
+        ever = torch.stack([m.count_nonzero() for m in self.ever_active.values()]).sum()
+        return ever / sum(m.numel() for m in self.ever_active.values())
+
+    def register_update_hook(self, hook: Callable[..., None]) -> RemovableHandle:
+        """``hook(algorithm, step, stats)`` after each mask update; ``stats[name]`` holds 0-d
+        tensors ``dropped``, ``grown``, ``sparsity`` and ``itop`` (if tracked)."""
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
 
     def grads_finite(self) -> bool:
         """Whether every sparse gradient is finite. One host sync; call only on update steps."""
@@ -358,7 +438,10 @@ class SparsityAlgorithm(pl.Callback, ABC):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Algorithm state (masks live in the model's state_dict as ``<param>_mask``)."""
-        return {"step": self.step}
+        state: dict[str, Any] = {"step": self.step}
+        if self.ever_active:
+            state["ever_active"] = {n: m.clone() for n, m in self.ever_active.items()}
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict`` returned."""
@@ -368,6 +451,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
                 "state_dict() returned"
             )
         self.step = int(state_dict["step"])
+        for name, ever in state_dict.get("ever_active", {}).items():
+            if name in self.ever_active:
+                self.ever_active[name].copy_(ever)
         self._mask_version += 1
 
     def _load_pre_hook(
@@ -393,14 +479,19 @@ class SparsityAlgorithm(pl.Callback, ABC):
         ours = {f"{prefix}{n}_mask" for n in self.sparse_params}
         params = {f"{prefix}{n}" for n, _ in module.named_parameters()}
         foreign = [
-            k for k in state_dict
-            if k.startswith(prefix) and k.endswith("_mask") and k[: -len("_mask")] in params
-            and k not in ours and not self._claimed_elsewhere(module, k[len(prefix):])
+            k
+            for k in state_dict
+            if k.startswith(prefix)
+            and k.endswith("_mask")
+            and k[: -len("_mask")] in params
+            and k not in ours
+            and not self._claimed_elsewhere(module, k[len(prefix) :])
         ]
         if foreign:
             raise ValueError(
                 f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
-                "dense; include those parameters in param_filter, or drop the keys to load them dense"
+                "dense; include those parameters in param_filter, or drop the keys to load them "
+                "dense"
             )
 
     def _claimed_elsewhere(self, root: nn.Module, mask_key: str) -> bool:
@@ -439,7 +530,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
             raise RuntimeError(f"{self.name} was applied to another model; use one per Trainer")
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Make every optimizer from ``configure_optimizers`` sparse; updates come from the callback."""
+        """Make the optimizers from ``configure_optimizers`` sparse; the callback drives updates."""
         self.autoupdate = False
         self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
         for stale in [o for o in self._optimizers if all(o is not t for t in trainer.optimizers)]:
@@ -463,8 +554,25 @@ class SparsityAlgorithm(pl.Callback, ABC):
         target, actual = self.overall_sparsity()
         several = sum(isinstance(c, SparsityAlgorithm) for c in trainer.callbacks) > 1
         prefix = f"sparsity/{self.name}" if several else "sparsity"
-        pl_module.log(f"{prefix}/target", target, on_step=True, on_epoch=False)
-        pl_module.log(f"{prefix}/actual", actual.float(), on_step=True, on_epoch=False)
+        metrics = {f"{prefix}/target": target, f"{prefix}/actual": actual.float()}
+        updates = self.update_metrics()
+        if updates:
+            metrics.update({f"{prefix}/{k}": v for k, v in updates.items()})
+            metrics[f"{prefix}/itop"] = self.itop_rate()
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def update_metrics(self) -> dict[str, torch.Tensor]:
+        """Totals and per-parameter figures of the last mask update (empty if none yet)."""
+        stats = self.last_update
+        if not stats:
+            return {}
+        out = {
+            "dropped": torch.stack([s["dropped"] for s in stats.values()]).sum().float(),
+            "grown": torch.stack([s["grown"] for s in stats.values()]).sum().float(),
+        }
+        for name, s in stats.items():
+            out[f"layer/{name}"] = s["sparsity"].float()
+        return out
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"
@@ -472,7 +580,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
 def zero_pruned_(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``tensor[~mask] = 0`` in place, safe for NaN/inf (unlike multiplying by the mask)."""
-    return torch.where(mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device), out=tensor)
+    return torch.where(
+        mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device), out=tensor
+    )
 
 
 def tied_parameter_ids(root: nn.Module) -> set[int]:

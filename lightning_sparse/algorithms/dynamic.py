@@ -40,7 +40,8 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         sparsity: target sparsity: a float in [0, 1) or a schedule (``{"type": "cubic", ...}``,
             a list = Cycling, a callable ``step -> float``). Values are clamped to [0, 1].
         update: when masks change (see module docstring). ``None``: every step.
-        init_method, param_filter, seed: see ``SparsityAlgorithm``.
+        init_method, param_filter, seed, distribution, erk_power_scale, track_itop: see
+            ``SparsityAlgorithm``.
         shaper: sparsity structure (``Unstructured()`` default; ``OutputGroups``, ``NM``, ...).
     """
 
@@ -54,21 +55,31 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         param_filter: str | list[str] | ParamFilter | None = None,
         seed: int = 0,
         shaper: Shaper | None = None,
+        distribution: str = "uniform",
+        erk_power_scale: float = 1.0,
+        track_itop: bool = True,
     ) -> None:
         if isinstance(sparsity, int | float) and not isinstance(sparsity, bool):
             validate_sparsity(sparsity)
         self.sparsity = make_hyperparam_schedule(sparsity)
         self.update_schedule = make_update_schedule(update)
         self.shaper = shaper if shaper is not None else Unstructured()
-        super().__init__(init_method=init_method, param_filter=param_filter, seed=seed)
+        super().__init__(
+            init_method=init_method,
+            param_filter=param_filter,
+            seed=seed,
+            distribution=distribution,
+            erk_power_scale=erk_power_scale,
+            track_itop=track_itop,
+        )
         self.starts_sparse = bool(self.update_schedule(0))
         self._names: dict[int, str] = {}
         self._last_update_step = -1
 
     # ------------------------------------------------------------------ schedule
     def target_sparsity(self, name: str, step: int) -> float:
-        """The sparsity schedule at ``step``, clamped to [0, 1]."""
-        return min(max(float(self.sparsity(step)), 0.0), 1.0)
+        """The sparsity schedule at ``step``, clamped to [0, 1], spread by ``distribution``."""
+        return self.layer_sparsity(name, min(max(float(self.sparsity(step)), 0.0), 1.0))
 
     def mask_target(self, name: str) -> float:
         """0 while training dense before the first update, else the last update's target."""
@@ -86,7 +97,9 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         self.shaper.check(param.shape, name)
         target = self.target_sparsity(name, 0)
         if target >= 1.0:
-            raise ValueError(f"sparsity schedule gives {target} at step 0 for {name!r}; must be < 1")
+            raise ValueError(
+                f"sparsity schedule gives {target} at step 0 for {name!r}; must be < 1"
+            )
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Sparse at step 0 if step 0 is an update step, else dense until the first update."""
@@ -108,18 +121,26 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
     # ------------------------------------------------------------------ update
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Recompute every mask on update steps (at most once per step); a no-op otherwise."""
-        if not self.sparse_params or not self.is_update_step() or self._last_update_step == self.step:
+        if (
+            not self.sparse_params
+            or not self.is_update_step()
+            or self._last_update_step == self.step
+        ):
             return
         if self.check_finite and not self.grads_finite():
             return  # AMP will skip this step; the step counter does not advance, retry next time
-        new_masks = {}
         with torch.no_grad():
-            for name, sp in self.sparse_params.items():
-                target = self.target_sparsity(name, self.step)
-                new_masks[name] = self.update_mask(sp.param, sp.mask, target)
+            new_masks = self.compute_masks()
         self.sparsity.update(True)
         self._last_update_step = self.step
         self.set_masks_(new_masks)
+
+    def compute_masks(self) -> dict[str, torch.Tensor]:
+        """New masks of every parameter at this step: ``update_mask`` one parameter at a time."""
+        return {
+            name: self.update_mask(sp.param, sp.mask, self.target_sparsity(name, self.step))
+            for name, sp in self.sparse_params.items()
+        }
 
     @abstractmethod
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:

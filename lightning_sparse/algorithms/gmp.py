@@ -7,9 +7,12 @@ sparsity (typically ``{"type": "cubic", ...}``, the paper's schedule).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from lightning_sparse.algorithms.dynamic import DynamicSparsityAlgorithm
+from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.mask_ops import topk_mask
 from lightning_sparse.schedules import Constant
 
@@ -17,20 +20,31 @@ __all__ = ["GMP"]
 
 
 class GMP(DynamicSparsityAlgorithm):
-    """Gradual magnitude pruning. Arguments as ``DynamicSparsityAlgorithm``.
+    """Gradual magnitude pruning. Arguments as ``DynamicSparsityAlgorithm``, plus
+    ``distribution="global"``: one magnitude ranking over all parameters at each update.
 
     Raises:
         ValueError: for a constant sparsity (nothing gradual: use ``Static``).
     """
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, distribution: str = "uniform", **kwargs: Any) -> None:
+        self.global_ranking = distribution == "global"
+        kwargs["distribution"] = "uniform" if self.global_ranking else distribution
+        super().__init__(*args, **kwargs)
         if isinstance(self.sparsity, Constant):
             raise ValueError(
                 f"GMP got the constant sparsity {self.sparsity(0)}; GMP prunes gradually, so give "
                 "a schedule such as {'type': 'cubic', 'init': 0.0, 'final': 0.8, 'begin': 0, "
                 "'end': 1000}, or use Static for a fixed sparsity"
             )
+
+    def compute_masks(self) -> dict[str, torch.Tensor]:
+        """Per parameter, or one global ranking with ``distribution="global"``."""
+        if not self.global_ranking:
+            return super().compute_masks()
+        target = min(max(float(self.sparsity(self.step)), 0.0), 1.0)
+        weights = {name: sp.param.detach() for name, sp in self.sparse_params.items()}
+        return global_magnitude(weights, target)
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Top-``int((1 - s) n)`` of ``|p|`` per shaper row."""

@@ -119,7 +119,11 @@ class Group(SparsityAlgorithm):
         for candidate in candidates(root):
             for i, (param_filter, algorithm) in enumerate(self._members):
                 name, _, _, param = candidate
-                chosen = param_filter(name, param) if param_filter else algorithm.selects(candidate, tied)
+                chosen = (
+                    param_filter(name, param)
+                    if param_filter
+                    else algorithm.selects(candidate, tied)
+                )
                 if chosen:
                     routed[i].append(candidate)
                     break

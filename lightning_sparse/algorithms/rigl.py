@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from lightning_sparse.algorithms.set import SET
 from lightning_sparse.algorithms.dynamic import ScheduleSpec
+from lightning_sparse.algorithms.set import SET
 from lightning_sparse.shapers import InputGroups, OutputGroups
 
 __all__ = ["RigL"]

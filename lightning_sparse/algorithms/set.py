@@ -26,7 +26,9 @@ class SET(DynamicSparsityAlgorithm):
         **kwargs: see ``DynamicSparsityAlgorithm`` (``sparsity``, ``update``, ...).
     """
 
-    def __init__(self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any) -> None:
+    def __init__(
+        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+    ) -> None:
         super().__init__(sparsity, **kwargs)
         self.drop_fraction = make_hyperparam_schedule(drop_fraction)
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from lightning_sparse.algorithms.base import SparsityAlgorithm, validate_sparsity
+from lightning_sparse.algorithms.base import Candidate, SparsityAlgorithm, validate_sparsity
+from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.filters import ParamFilter
 
 __all__ = ["Static"]
@@ -27,6 +28,9 @@ class Static(SparsityAlgorithm):
             callable ``(p, sparsity, *, generator, shaper) -> mask``.
         param_filter: see ``SparsityAlgorithm``.
         seed: seeds the random mask through ``(seed, 0, parameter name)``.
+        distribution: ``uniform``, ``er``, ``erk`` (see ``SparsityAlgorithm``) or ``global``:
+            one magnitude ranking over all selected parameters (init_method is then unused).
+        erk_power_scale: see ``SparsityAlgorithm``.
 
     Raises:
         TypeError / ValueError: for a sparsity that is not a float in [0, 1).
@@ -38,13 +42,30 @@ class Static(SparsityAlgorithm):
         init_method: str | Callable[..., torch.Tensor] = "random",
         param_filter: str | list[str] | ParamFilter | None = None,
         seed: int = 0,
+        distribution: str = "uniform",
+        erk_power_scale: float = 1.0,
     ) -> None:
         self.sparsity = validate_sparsity(sparsity)
-        super().__init__(init_method=init_method, param_filter=param_filter, seed=seed)
+        self.global_ranking = distribution == "global"
+        super().__init__(
+            init_method=init_method,
+            param_filter=param_filter,
+            seed=seed,
+            distribution="uniform" if self.global_ranking else distribution,
+            erk_power_scale=erk_power_scale,
+            track_itop=False,
+        )
 
     def target_sparsity(self, name: str, step: int) -> float:
-        """The constant ``sparsity``."""
-        return self.sparsity
+        """The constant ``sparsity``, spread over layers by ``distribution``."""
+        return self.layer_sparsity(name, self.sparsity)
+
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
+        """``distribution="global"``: one magnitude ranking over all chosen parameters."""
+        if not self.global_ranking:
+            return super().initial_masks(chosen)
+        masks = global_magnitude({name: p.detach() for name, _, _, p in chosen}, self.sparsity)
+        return [masks[name] for name, _, _, _ in chosen]
 
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Nothing to do: a static mask never changes."""

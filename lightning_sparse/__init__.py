@@ -16,6 +16,7 @@ from lightning_sparse.algorithms import (
 from lightning_sparse.configure import configure
 from lightning_sparse.conversion import convert_nan_checkpoint, densify
 from lightning_sparse.filters import default_sparse_param_filter
+from lightning_sparse.legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from lightning_sparse.report import SparsityReport, sparsity_report
 from lightning_sparse.sparse_parameter import SparseParameter
 
@@ -32,7 +33,9 @@ __all__ = [
     "SparsityAlgorithm",
     "Static",
     "SparsityReport",
+    "SparsityWrapperOptimizer",
     "configure",
+    "configure_sparsity_wrapper",
     "convert_nan_checkpoint",
     "default_sparse_param_filter",
     "densify",

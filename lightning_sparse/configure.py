@@ -78,7 +78,13 @@ def load_sparsity_block(path: str | os.PathLike) -> Any:
         if isinstance(init, Mapping) and "sparsity" in init:
             return init["sparsity"]
         return data.get("sparsity")
+    if isinstance(data, Mapping) and set(data) == {"sparsity"} and not _is_number(data["sparsity"]):
+        return data["sparsity"]  # a params file's sparsity section saved on its own
     return data
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def configure(config: ConfigType) -> Group | None:
@@ -123,7 +129,9 @@ def _expand(entry: Any) -> list[dict[str, Any]]:
         entry = {**{k: v for k, v in entry.items() if k != "params"}, **entry["params"]}
     if "groups" in entry:
         shared = {k: v for k, v in entry.items() if k != "groups"}
-        return [spec for group in entry["groups"] for spec in _expand({**shared, **group})]
+        groups = entry["groups"]
+        groups = [groups] if isinstance(groups, Mapping) else groups
+        return [spec for group in groups for spec in _expand({**shared, **group})]
     patterns = entry.get("param_name_patterns")
     if isinstance(patterns, Mapping):
         return [
@@ -141,11 +149,18 @@ def _build(spec: dict[str, Any]) -> tuple[ParamFilter | None, SparsityAlgorithm 
     spec = dict(spec)
     legacy = bool(_LEGACY_KEYS & set(spec))
     name = _pop_algorithm_name(spec)
+    renamed: dict[str, str] = {}
     if "sparsity_schedule" in spec:
+        if "schedule" in spec or "update" in spec:
+            raise ValueError(
+                "sparsity_schedule: [[step, sparsity], ...] sets its own update steps; remove "
+                "'schedule' / 'update' from this entry"
+            )
         spec["sparsity"], spec["update"] = _unzip_sparsity_schedule(spec.pop("sparsity_schedule"))
     if "schedule" in spec:
-        if legacy or "sparsity" in spec and "update" not in spec and _is_cadence(spec["schedule"]):
+        if legacy:
             spec["update"] = spec.pop("schedule")  # 2.0/2.1: 'schedule' is the update cadence
+            renamed["update"] = "schedule"
         elif "sparsity" in spec:
             raise ValueError(
                 "sparsity config gives both 'sparsity' and 'schedule', which are aliases in "
@@ -166,7 +181,7 @@ def _build(spec: dict[str, Any]) -> tuple[ParamFilter | None, SparsityAlgorithm 
             spec.pop(key)
             warnings.warn(f"sparsity key {key!r} is ignored: {why}", stacklevel=4)
     cls = algorithm_class(name)
-    _check_kwargs(cls, spec)
+    _check_kwargs(cls, spec, renamed)
     return param_filter, cls(**spec)
 
 
@@ -183,14 +198,6 @@ def _pop_algorithm_name(spec: dict[str, Any]) -> str:
             "convert 1.x checkpoints with lightning_sparse.convert_nan_checkpoint"
         )
     return str(algorithm or legacy_type or "static")
-
-
-def _is_cadence(value: Any) -> bool:
-    return (
-        isinstance(value, int)
-        or isinstance(value, Mapping)
-        and ("freq" in value or "steps" in value)
-    )
 
 
 def _unzip_sparsity_schedule(pairs: Any) -> tuple[list[float], dict[str, list[int]]]:
@@ -235,9 +242,9 @@ def _accepted_kwargs(cls: type) -> set[str]:
     return names
 
 
-def _check_kwargs(cls: type, spec: dict[str, Any]) -> None:
+def _check_kwargs(cls: type, spec: dict[str, Any], renamed: dict[str, str]) -> None:
     accepted = _accepted_kwargs(cls)
-    unknown = sorted(set(spec) - accepted)
+    unknown = sorted(renamed.get(key, key) for key in set(spec) - accepted)
     if unknown:
         raise ValueError(
             f"sparsity algorithm {cls.__name__.lower()!r} does not take {unknown}; it accepts: "

@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -123,10 +124,10 @@ inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int
     for (int64_t t = tn; t < T; ++t) dst[k * T + t] = S(0);
 }
 
-// Y [N, M] = X [N, K] @ S^T for S [M, K] in CSR (crow, col, val).
+// Y [N, M] = X [N, K] @ S^T (+ bias [M] if not null) for S [M, K] in CSR (crow, col, val).
 template <typename S, int NV>
-void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, int64_t N, int64_t K,
-          int64_t M, S* Y, int threads) {
+void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
+          int64_t N, int64_t K, int64_t M, S* Y, int threads) {
   constexpr int L = kLanes<S>;
   constexpr int T = NV * L;
   Buffer xbuf(sizeof(S) * K * T);
@@ -144,14 +145,30 @@ void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, int
       for (int64_t ib = 0; ib < M; ib += kRowBlock) {
         const int64_t ie = std::min(ib + kRowBlock, M);
         for (int64_t i = ib; i < ie; ++i) {
-          Vec<S> acc[NV];
-          for (int v = 0; v < NV; ++v) acc[v] = Vec<S>{};
-          for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
+          // U sets of accumulators keep 8 independent FMA chains in flight even for short tiles.
+          constexpr int U = NV >= 8 ? 1 : 8 / NV;
+          Vec<S> acc[U][NV];
+          for (int u = 0; u < U; ++u)
+            for (int v = 0; v < NV; ++v) acc[u][v] = Vec<S>{};
+          int32_t k = crow[i];
+          const int32_t end = crow[i + 1];
+          for (; k + U <= end; k += U) {
+            for (int u = 0; u < U; ++u) {
+              const Vec<S> w = Vec<S>{} + val[k + u];
+              const S* xr = xt + static_cast<int64_t>(col[k + u]) * T;
+              for (int v = 0; v < NV; ++v) acc[u][v] += w * load<S>(xr + v * L);
+            }
+          }
+          for (; k < end; ++k) {
             const Vec<S> w = Vec<S>{} + val[k];
             const S* xr = xt + static_cast<int64_t>(col[k]) * T;
-            for (int v = 0; v < NV; ++v) acc[v] += w * load<S>(xr + v * L);
+            for (int v = 0; v < NV; ++v) acc[0][v] += w * load<S>(xr + v * L);
           }
-          for (int v = 0; v < NV; ++v) store<S>(block + (i - ib) * T + v * L, acc[v]);
+          const Vec<S> b = Vec<S>{} + (bias != nullptr ? bias[i] : S(0));
+          for (int v = 0; v < NV; ++v) {
+            for (int u = 1; u < U; ++u) acc[0][v] += acc[u][v];
+            store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
+          }
         }
         for (int64_t t = 0; t < tn; ++t) {
           S* yr = Y + (n0 + t) * M + ib;
@@ -243,21 +260,26 @@ int vectors_per_tile(int64_t N, int64_t features, int64_t budget) {
   return nv;
 }
 
+// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
+// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
+// the gradient tile row by row, so only its X tile counts.
+constexpr int64_t kTileBudget = 512 << 10;
+
 template <typename S>
-void spmm_dispatch(const int32_t* crow, const int32_t* col, const S* val, const S* X, int64_t N,
-                   int64_t K, int64_t M, S* Y, int threads) {
-  switch (vectors_per_tile<S>(N, K, 512 << 10)) {
-    case 1: return spmm<S, 1>(crow, col, val, X, N, K, M, Y, threads);
-    case 2: return spmm<S, 2>(crow, col, val, X, N, K, M, Y, threads);
-    case 4: return spmm<S, 4>(crow, col, val, X, N, K, M, Y, threads);
-    default: return spmm<S, 8>(crow, col, val, X, N, K, M, Y, threads);
+void spmm_dispatch(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
+                   int64_t N, int64_t K, int64_t M, S* Y, int threads) {
+  switch (vectors_per_tile<S>(N, K, kTileBudget)) {
+    case 1: return spmm<S, 1>(crow, col, val, X, bias, N, K, M, Y, threads);
+    case 2: return spmm<S, 2>(crow, col, val, X, bias, N, K, M, Y, threads);
+    case 4: return spmm<S, 4>(crow, col, val, X, bias, N, K, M, Y, threads);
+    default: return spmm<S, 8>(crow, col, val, X, bias, N, K, M, Y, threads);
   }
 }
 
 template <typename S>
 int sddmm_dispatch(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N,
                    int64_t K, int64_t M, S* D, int threads) {
-  switch (vectors_per_tile<S>(N, K + M, 2 << 20)) {
+  switch (vectors_per_tile<S>(N, K, kTileBudget)) {
     case 1: return sddmm<S, 1>(crow, col, G, X, N, K, M, D, threads);
     case 2: return sddmm<S, 2>(crow, col, G, X, N, K, M, D, threads);
     case 4: return sddmm<S, 4>(crow, col, G, X, N, K, M, D, threads);
@@ -269,12 +291,12 @@ int sddmm_dispatch(const int32_t* crow, const int32_t* col, const S* G, const S*
 
 extern "C" {
 void ls_spmm_f32(const int32_t* crow, const int32_t* col, const float* val, const float* X,
-                 int64_t N, int64_t K, int64_t M, float* Y, int threads) {
-  spmm_dispatch<float>(crow, col, val, X, N, K, M, Y, threads);
+                 const float* bias, int64_t N, int64_t K, int64_t M, float* Y, int threads) {
+  spmm_dispatch<float>(crow, col, val, X, bias, N, K, M, Y, threads);
 }
 void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, const double* X,
-                 int64_t N, int64_t K, int64_t M, double* Y, int threads) {
-  spmm_dispatch<double>(crow, col, val, X, N, K, M, Y, threads);
+                 const double* bias, int64_t N, int64_t K, int64_t M, double* Y, int threads) {
+  spmm_dispatch<double>(crow, col, val, X, bias, N, K, M, Y, threads);
 }
 int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
                  int64_t N, int64_t K, int64_t M, float* D, int threads) {
@@ -302,7 +324,7 @@ def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     for suffix in ("f32", "f64"):
         spmm = getattr(lib, f"ls_spmm_{suffix}")
-        spmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
+        spmm.argtypes = [pointer] * 5 + [size] * 3 + [pointer, ctypes.c_int]
         spmm.restype = None
         sddmm = getattr(lib, f"ls_sddmm_{suffix}")
         sddmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
@@ -371,10 +393,13 @@ def _native_function(name: str, dtype: torch.dtype) -> Callable[..., int | None]
     return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
 
 
-def _native_spmm(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, out: Tensor) -> None:
-    # out [N, M] = x2 [N, K] @ S^T for S [M, K] in CSR; every tensor contiguous on the CPU.
+def _native_spmm(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
+) -> None:
+    # out [N, M] = x2 [N, K] @ S^T (+ bias) for S [M, K] in CSR; all contiguous on the CPU.
     _native_function("ls_spmm", x2.dtype)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
+        None if bias is None else bias.data_ptr(),
         x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
 
@@ -391,28 +416,38 @@ def _native_sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: T
 
 
 class _Backend(NamedTuple):
-    # matmul(crow, col, values, x2 [N, K], rows) -> x2 @ S^T [N, rows] for S [rows, K] in CSR.
-    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int], Tensor]
+    # matmul(crow, col, values, x2 [N, K], rows, bias) -> x2 @ S^T (+ bias) [N, rows] for
+    # S [rows, K] in CSR.
+    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
     # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
     sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
 
 
-def _torch_matmul(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int) -> Tensor:
-    sparse = torch.sparse_csr_tensor(crow, col, values, (rows, x2.shape[1]))
-    return torch.sparse.mm(sparse, x2.t()).t().contiguous()
+def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta" is noise for our callers
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+def _torch_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
+    sparse = _torch_csr(crow, col, values, (rows, x2.shape[1]))
+    out = torch.sparse.mm(sparse, x2.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
 
 
 def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
-    pattern = torch.sparse_csr_tensor(
-        csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape
-    )
+    pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
     values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
     return csr.to_dense(values)
 
 
-def _compiled_matmul(crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int) -> Tensor:
+def _compiled_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
     out = x2.new_empty(x2.shape[0], rows)
-    _native_spmm(crow, col, values, x2, out)
+    _native_spmm(crow, col, values, x2, bias, out)
     return out
 
 
@@ -437,9 +472,8 @@ class _SparseLinearFunction(torch.autograd.Function):
     ) -> Tensor:
         x2 = x2.contiguous()
         values = csr.gather_values(weight.detach())
-        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0])
-        if bias is not None:
-            y2 += bias.detach()
+        bias = None if bias is None else bias.detach().contiguous()
+        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
         # `values` is a fresh gather, so later in-place updates of `weight` cannot corrupt backward.
         ctx.save_for_backward(x2, values)
         ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
@@ -455,7 +489,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             t_values = values.index_select(0, csr.t_perm)
             grad_x = backend.matmul(
-                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1]
+                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1], None
             )
         if ctx.needs_input_grad[1]:
             grad_w = backend.sampled_grad(csr, grad_y2, x2)

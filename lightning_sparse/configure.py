@@ -148,7 +148,7 @@ def _expand(entry: Any) -> list[dict[str, Any]]:
 def _build(spec: dict[str, Any]) -> tuple[ParamFilter | None, SparsityAlgorithm | None]:
     spec = dict(spec)
     legacy = bool(_LEGACY_KEYS & set(spec))
-    name = _pop_algorithm_name(spec)
+    cls = algorithm_class(_pop_algorithm_name(spec))
     renamed: dict[str, str] = {}
     if "sparsity_schedule" in spec:
         if "schedule" in spec or "update" in spec:
@@ -180,7 +180,6 @@ def _build(spec: dict[str, Any]) -> tuple[ParamFilter | None, SparsityAlgorithm 
         if key in spec:
             spec.pop(key)
             warnings.warn(f"sparsity key {key!r} is ignored: {why}", stacklevel=4)
-    cls = algorithm_class(name)
     _check_kwargs(cls, spec, renamed)
     return param_filter, cls(**spec)
 

@@ -143,16 +143,26 @@ class FlopReport:
 
     def as_dict(self) -> dict[str, float]:
         """Fields and derived figures, for loggers."""
-        derived = ("forward_flops", "dense_forward_flops", "training_flops", "dense_training_flops",
-                   "inference_flops", "dense_inference_flops", "inference_reduction",
-                   "param_reduction")
+        derived = (
+            "forward_flops",
+            "dense_forward_flops",
+            "training_flops",
+            "dense_training_flops",
+            "inference_flops",
+            "dense_inference_flops",
+            "inference_reduction",
+            "param_reduction",
+        )
         return {**asdict(self), **{name: getattr(self, name) for name in derived}}
 
     def __str__(self) -> str:
         rows = [
             ("params", self.nonzero_params, self.params),
-            ("forward FLOPs / token", self.forward_flops_per_token,
-             self.dense_forward_flops_per_token),
+            (
+                "forward FLOPs / token",
+                self.forward_flops_per_token,
+                self.dense_forward_flops_per_token,
+            ),
             ("inference FLOPs / sequence", self.inference_flops, self.dense_inference_flops),
             ("training FLOPs / sequence", self.training_flops, self.dense_training_flops),
         ]
@@ -208,17 +218,26 @@ def transformer_flops(
         ValueError: a size that is not a positive integer, ``d_model`` not divisible by
             ``n_heads``, an unknown ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
     """
-    for name, value in (("n_layers", n_layers), ("d_model", d_model), ("n_heads", n_heads),
-                        ("seq_len", seq_len), ("vocab_size", vocab_size)):
+    for name, value in (
+        ("n_layers", n_layers),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        ("seq_len", seq_len),
+        ("vocab_size", vocab_size),
+    ):
         _check_count(name, value)
     _check_count("n_positions", n_positions, minimum=0)
     if d_model % n_heads:
-        raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}; the head size "
-                         "d_model / n_heads must be whole: change one of them.")
+        raise ValueError(
+            f"d_model={d_model} is not divisible by n_heads={n_heads}; the head size "
+            "d_model / n_heads must be whole: change one of them."
+        )
     ffw = 4 * d_model if ffn_hidden is None else _check_count("ffn_hidden", ffn_hidden)
     if ffn_kind not in ("gelu", "swiglu"):
-        raise ValueError(f"ffn_kind={ffn_kind!r} is unknown; pass 'gelu' (two feed-forward "
-                         "matrices) or 'swiglu' (three).")
+        raise ValueError(
+            f"ffn_kind={ffn_kind!r} is unknown; pass 'gelu' (two feed-forward "
+            "matrices) or 'swiglu' (three)."
+        )
     s = _kind_sparsity(sparsity, tie_embeddings)
 
     d, vocab = d_model, vocab_size
@@ -295,8 +314,10 @@ def model_flops(
     other = 0
     modules = dict(model.named_modules())
     if not include_logits and head not in modules:
-        raise ValueError(f"include_logits=False but the model has no module named {head!r}; pass "
-                         "head=<name of the output nn.Linear>.")
+        raise ValueError(
+            f"include_logits=False but the model has no module named {head!r}; pass "
+            "head=<name of the output nn.Linear>."
+        )
     for name, module in modules.items():
         if isinstance(module, nn.Linear) and (include_logits or name != head):
             w = module.weight
@@ -308,8 +329,10 @@ def model_flops(
     if any(v is not None for v in attention.values()):
         for name, value in attention.items():
             if value is None:
-                raise ValueError(f"{name} is missing; attention terms need n_layers, d_model and "
-                                 "n_heads together: pass all three, or none to leave them out.")
+                raise ValueError(
+                    f"{name} is missing; attention terms need n_layers, d_model and "
+                    "n_heads together: pass all three, or none to leave them out."
+                )
             _check_count(name, value)
         other += n_layers * (4 * seq_len * d_model + 3 * n_heads * seq_len)
 
@@ -318,8 +341,9 @@ def model_flops(
     return _report(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
 
 
-def _report(seq_len: int, matrices: list[tuple[int, int]], other: int, params: int,
-            nonzero: int) -> FlopReport:
+def _report(
+    seq_len: int, matrices: list[tuple[int, int]], other: int, params: int, nonzero: int
+) -> FlopReport:
     """Assemble a report from ``(numel, kept)`` weight matrices and weight-free FLOPs per token."""
     return FlopReport(
         seq_len=seq_len,
@@ -340,8 +364,10 @@ def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int,
     kept: dict[int, int] = {}
     for name, value in sparsity.items():
         if name not in named:
-            raise ValueError(f"sparsity names {name!r}, which is not a parameter of the model; use "
-                             "names from model.named_parameters(), e.g. 'layers.0.fc1.weight'.")
+            raise ValueError(
+                f"sparsity names {name!r}, which is not a parameter of the model; use "
+                "names from model.named_parameters(), e.g. 'layers.0.fc1.weight'."
+            )
         kept[id(named[name])] = _kept(named[name].numel(), _check_sparsity(name, value))
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
@@ -350,8 +376,10 @@ def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int,
                 continue
             if mask.is_meta:
                 name = f"{module_name}.{param_name}".lstrip(".")
-                raise ValueError(f"the mask of {name!r} is on the meta device, so its nonzeros "
-                                 f"cannot be counted; pass sparsity={{{name!r}: <sparsity>}}.")
+                raise ValueError(
+                    f"the mask of {name!r} is on the meta device, so its nonzeros "
+                    f"cannot be counted; pass sparsity={{{name!r}: <sparsity>}}."
+                )
             kept[id(param)] = int(torch.count_nonzero(mask))
     return kept
 
@@ -362,11 +390,15 @@ def _kind_sparsity(sparsity: float | Mapping[str, float], tied: bool) -> dict[st
         sparsity = dict.fromkeys(_BLOCK_KINDS, sparsity)
     unknown = set(sparsity) - set(MATRIX_KINDS)
     if unknown:
-        raise ValueError(f"unknown sparsity keys {sorted(unknown)}; the keys are matrix kinds "
-                         f"{list(MATRIX_KINDS)}: rename them.")
+        raise ValueError(
+            f"unknown sparsity keys {sorted(unknown)}; the keys are matrix kinds "
+            f"{list(MATRIX_KINDS)}: rename them."
+        )
     if tied and "head" in sparsity:
-        raise ValueError("tie_embeddings=True makes the head the embedding matrix, so it has no "
-                         "own sparsity; set sparsity['embedding'] instead of sparsity['head'].")
+        raise ValueError(
+            "tie_embeddings=True makes the head the embedding matrix, so it has no "
+            "own sparsity; set sparsity['embedding'] instead of sparsity['head']."
+        )
     return {kind: _check_sparsity(kind, sparsity.get(kind, 0.0)) for kind in MATRIX_KINDS}
 
 
@@ -377,8 +409,10 @@ def _kept(numel: int, sparsity: float) -> int:
 
 def _check_sparsity(name: str, value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(f"sparsity of {name!r} is {value!r}; sparsity is the fraction of zeros "
-                         "and must lie in [0, 1): pass e.g. 0.9 to drop 90% of the weights.")
+        raise ValueError(
+            f"sparsity of {name!r} is {value!r}; sparsity is the fraction of zeros "
+            "and must lie in [0, 1): pass e.g. 0.9 to drop 90% of the weights."
+        )
     return float(value)
 
 

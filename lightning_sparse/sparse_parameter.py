@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_sparse.sharding import full
+
 __all__ = ["SparseParameter", "mask_buffer_name"]
 
 
@@ -70,8 +72,9 @@ class SparseParameter:
 
     @property
     def nnz(self) -> torch.Tensor:
-        """Number of kept positions, a 0-d tensor on the mask's device (no host sync)."""
-        return self.mask.count_nonzero()
+        """Number of kept positions, a plain 0-d tensor on the mask's device (no host sync;
+        for a sharded mask one scalar all-reduce)."""
+        return full(self.mask.count_nonzero())
 
     def __repr__(self) -> str:
         return f"SparseParameter({self.name!r}, shape={tuple(self.param.shape)})"

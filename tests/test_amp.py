@@ -216,7 +216,7 @@ class TinyModule(pl.LightningModule):
         self.records: list[tuple[int, dict[str, torch.Tensor], float | None]] = []
         self.sparsity: SparsityAlgorithm | None = None
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.inject is not None and batch_idx == self.inject[0]:
             self._handle = inject_inf(self.net[0].weight, self.inject[1])
         x, y = batch
@@ -239,11 +239,13 @@ class TinyModule(pl.LightningModule):
 
 def loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    return DataLoader(TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 4, generator=g)),
-                      batch_size=8)
+    data = TensorDataset(torch.randn(48, 8, generator=g), torch.randn(48, 4, generator=g))
+    return DataLoader(data, batch_size=8)
 
 
-def fit(module: TinyModule, sparsity: SparsityAlgorithm, max_steps: int, **kwargs: object) -> pl.Trainer:
+def fit(
+    module: TinyModule, sparsity: SparsityAlgorithm, max_steps: int, **kwargs: object
+) -> pl.Trainer:
     module.sparsity = sparsity
     trainer = pl.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[sparsity], logger=False,
@@ -277,7 +279,8 @@ def test_lightning_bf16_mixed_rigl_keeps_exact_sparsity() -> None:
     assert trainer.precision_plugin.precision == "bf16-mixed"
     assert sparsity.step == 4 == trainer.global_step
     assert_module_sparse(module, sparsity, 0.8, trainer.optimizers[0])
-    changed = [n for n, sp in sparsity.sparse_params.items() if not torch.equal(sp.mask, initial[n])]
+    params = sparsity.sparse_params
+    changed = [n for n, sp in params.items() if not torch.equal(sp.mask, initial[n])]
     assert changed, "RigL with freq 2 changed no mask in 4 steps"
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from lightning_sparse import GMP, SET, GraNet, Group, RigL, SparsityAlgorithm, Static
 
 SETTINGS = settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 N_STEPS = 6
 
@@ -144,7 +144,8 @@ def cases(draw: st.DrawFn) -> Case:
         return torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(step))
 
     def ce(out: torch.Tensor, step: int) -> torch.Tensor:
-        target = torch.randint(0, vocab, out.shape[:-1], generator=torch.Generator().manual_seed(step))
+        g = torch.Generator().manual_seed(step)
+        target = torch.randint(0, vocab, out.shape[:-1], generator=g)
         return nn.functional.cross_entropy(out.reshape(-1, vocab), target.reshape(-1))
 
     # "*weight" also sparsifies the embedding, which the default filter keeps dense.

@@ -37,6 +37,7 @@ from lightning_sparse.filters import (
 )
 from lightning_sparse.init_methods import make_init_method
 from lightning_sparse.rng import generator_for
+from lightning_sparse.sharding import full, shard_like
 from lightning_sparse.sparse_parameter import SparseParameter, mask_buffer_name
 
 __all__ = ["SparsityAlgorithm", "Candidate", "validate_sparsity"]
@@ -156,7 +157,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Mask at ``apply`` time: ``init_method`` at the step-0 target sparsity."""
         generator = generator_for(self.seed, 0, name, param.device)
-        return self.init_method(param.detach(), self.target_sparsity(name, 0), generator=generator)
+        dense = full(param.detach())
+        mask = self.init_method(dense, self.target_sparsity(name, 0), generator=generator)
+        return shard_like(mask, param)
 
     def validate_param(self, name: str, param: torch.Tensor) -> None:
         """Raise before anything is modified if ``param`` cannot be sparsified by this algorithm."""
@@ -224,12 +227,13 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._shapes = {name: param.shape for name, _, _, param in chosen}
         self._layer_cache = {}
 
-    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
-        """Masks at ``apply`` time, one per chosen parameter."""
-        return [self.initial_mask(name, param) for name, _, _, param in chosen]
-
-    def attach(self, root: nn.Module, chosen: list[Candidate]) -> None:
-        """Create masks for ``chosen`` parameters of ``root``: validate all, then modify."""
+    def check_attachable(self, chosen: list[Candidate]) -> None:
+        """Raise, before anything is modified, if ``chosen`` cannot be sparsified by this object."""
+        if self._root is not None:
+            raise RuntimeError(
+                f"{self.name} is already applied to a model; create a new algorithm object per "
+                "model (applying twice would stack masks)"
+            )
         self.prepare(chosen)
         for name, module, attr, param in chosen:
             if mask_buffer_name(attr) in module._buffers:
@@ -240,6 +244,14 @@ class SparsityAlgorithm(pl.Callback, ABC):
             if getattr(param, "requires_dense", False):
                 raise RuntimeError(f"{name!r} has requires_dense=True and cannot be sparsified")
             self.validate_param(name, param)
+
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
+        """Masks at ``apply`` time, one per chosen parameter."""
+        return [self.initial_mask(name, param) for name, _, _, param in chosen]
+
+    def attach(self, root: nn.Module, chosen: list[Candidate]) -> None:
+        """Create masks for ``chosen`` parameters of ``root``: validate all, then modify."""
+        self.check_attachable(chosen)
         masks = self.initial_masks(chosen)
         self._root = root
         for (name, module, attr, param), mask in zip(chosen, masks, strict=True):
@@ -267,8 +279,13 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
         def mask_grad(param: torch.Tensor) -> None:
             # where() rather than mul(): NaN/inf at pruned positions must not make AMP skip a step.
-            if not self._dense_grad_needed and param.grad is not None:
-                torch.where(sp.mask, param.grad, zero, out=param.grad)
+            grad = param.grad
+            if grad is None:
+                return
+            if not self._dense_grad_needed:
+                torch.where(sp.mask, grad, zero, out=grad)
+            else:  # keep the dense gradient for the update, minus non-finite pruned entries
+                torch.where(sp.mask | grad.isfinite(), grad, zero, out=grad)
 
         return mask_grad
 
@@ -327,7 +344,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
         """Prune gradients and optimizer state if masks changed (or state was loaded) since last."""
         key = id(optimizer)
         stale_state = len(optimizer.state) != self._optimizer_state_len.get(key)
-        if not force and not stale_state and self._optimizer_version.get(key) == self._mask_version:
+        fresh = self._optimizer_version.get(key) == self._mask_version
+        # After a dense-gradient backward the gradients must be masked here, update or not.
+        if not force and not stale_state and fresh and not self._dense_grad_needed:
             return
         sps = self._params_of(optimizer)
         with torch.no_grad():
@@ -360,14 +379,15 @@ class SparsityAlgorithm(pl.Callback, ABC):
                 sp = self.sparse_params[name]
                 old = sp.mask
                 stats[name] = {
-                    "dropped": (old & ~mask).count_nonzero(),
-                    "grown": (mask & ~old).count_nonzero(),
+                    "dropped": full((old & ~mask).count_nonzero()),
+                    "grown": full((mask & ~old).count_nonzero()),
                 }
                 old.copy_(mask)
                 sp.prune_()
                 if name in self.ever_active:
                     self.ever_active[name] |= mask
-                    stats[name]["itop"] = self.ever_active[name].count_nonzero() / mask.numel()
+                    ever = full(self.ever_active[name].count_nonzero())
+                    stats[name]["itop"] = ever / mask.numel()
                 stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
         self.last_update = stats
         self._mask_version += 1
@@ -380,7 +400,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         """Share of the sparse weights that were ever active (0-d tensor; no host sync)."""
         if not self.ever_active:
             return torch.zeros(())
-        ever = torch.stack([m.count_nonzero() for m in self.ever_active.values()]).sum()
+        ever = torch.stack([full(m.count_nonzero()) for m in self.ever_active.values()]).sum()
         return ever / sum(m.numel() for m in self.ever_active.values())
 
     def register_update_hook(self, hook: Callable[..., None]) -> RemovableHandle:
@@ -395,7 +415,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         grads = [sp.param.grad for sp in self.sparse_params.values() if sp.param.grad is not None]
         if not grads:
             return True
-        return bool(torch.stack([g.isfinite().all() for g in grads]).all())
+        return bool(torch.stack([full(g.isfinite().all()) for g in grads]).all())
 
     # ------------------------------------------------------------------ hooks and reporting
     def register_target_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:

@@ -26,6 +26,7 @@ from lightning_sparse.schedules import (
     make_update_schedule,
 )
 from lightning_sparse.shapers import Shaper, Unstructured
+from lightning_sparse.sharding import full, is_sharded, shard_like
 
 __all__ = ["DynamicSparsityAlgorithm"]
 
@@ -106,9 +107,13 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self.seed, 0, name, param.device)
-        return self.init_method(
-            param.detach(), self.target_sparsity(name, 0), generator=generator, shaper=self.shaper
+        mask = self.init_method(
+            full(param.detach()),
+            self.target_sparsity(name, 0),
+            generator=generator,
+            shaper=self.shaper,
         )
+        return shard_like(mask, param)
 
     def attach(self, root: torch.nn.Module, chosen: list) -> None:
         """Create masks; advance stateful schedules once when training starts sparse."""
@@ -136,11 +141,25 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         self.set_masks_(new_masks)
 
     def compute_masks(self) -> dict[str, torch.Tensor]:
-        """New masks of every parameter at this step: ``update_mask`` one parameter at a time."""
-        return {
-            name: self.update_mask(sp.param, sp.mask, self.target_sparsity(name, self.step))
-            for name, sp in self.sparse_params.items()
-        }
+        """New masks of every parameter at this step: ``update_mask`` one parameter at a time.
+
+        A sharded parameter is gathered first (with its gradient), so top-k runs over the whole
+        tensor; the new mask is sharded back like the parameter.
+        """
+        masks = {}
+        for name, sp in self.sparse_params.items():
+            param = sp.param
+            p = param
+            if is_sharded(param):
+                p = full(param.detach())
+                if param.grad is not None:
+                    p.grad = full(param.grad)
+                self._names[id(p)] = name
+            new = self.update_mask(p, full(sp.mask), self.target_sparsity(name, self.step))
+            masks[name] = shard_like(new, param)
+            if p is not param:
+                del self._names[id(p)]
+        return masks
 
     @abstractmethod
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:

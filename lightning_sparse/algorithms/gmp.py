@@ -15,6 +15,7 @@ from lightning_sparse.algorithms.dynamic import DynamicSparsityAlgorithm
 from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.mask_ops import topk_mask
 from lightning_sparse.schedules import Constant
+from lightning_sparse.sharding import full, shard_like
 
 __all__ = ["GMP"]
 
@@ -43,8 +44,9 @@ class GMP(DynamicSparsityAlgorithm):
         if not self.global_ranking:
             return super().compute_masks()
         target = min(max(float(self.sparsity(self.step)), 0.0), 1.0)
-        weights = {name: sp.param.detach() for name, sp in self.sparse_params.items()}
-        return global_magnitude(weights, target)
+        weights = {name: full(sp.param.detach()) for name, sp in self.sparse_params.items()}
+        masks = global_magnitude(weights, target)
+        return {name: shard_like(masks[name], sp.param) for name, sp in self.sparse_params.items()}
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Top-``int((1 - s) n)`` of ``|p|`` per shaper row."""

@@ -61,6 +61,11 @@ class Group(SparsityAlgorithm):
             )
         if self._root is not None:
             raise RuntimeError("cannot add to a Group that is already applied to a model")
+        if algorithm._root is not None:
+            raise RuntimeError(
+                f"{algorithm.name} is already applied to a model; give the Group a new algorithm "
+                "object"
+            )
         self._members.append((make_param_filter(param_filter), algorithm))
 
     def extend(self, other: Group) -> None:
@@ -134,8 +139,7 @@ class Group(SparsityAlgorithm):
                 stacklevel=3,
             )
         for (_, algorithm), chosen in zip(self._members, routed, strict=True):
-            for name, _, _, param in chosen:
-                algorithm.validate_param(name, param)
+            algorithm.check_attachable(chosen)  # every member, before any is attached
         for (_, algorithm), chosen in zip(self._members, routed, strict=True):
             algorithm.attach(root, chosen)
         self._root = root

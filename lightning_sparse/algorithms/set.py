@@ -29,6 +29,11 @@ class SET(DynamicSparsityAlgorithm):
     def __init__(
         self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
     ) -> None:
+        if isinstance(drop_fraction, int | float) and not 0.0 <= drop_fraction <= 1.0:
+            raise ValueError(
+                f"drop_fraction={drop_fraction!r} must be in [0, 1]: it is the share of active "
+                "weights replaced per update (the RigL paper uses 0.3)"
+            )
         super().__init__(sparsity, **kwargs)
         self.drop_fraction = make_hyperparam_schedule(drop_fraction)
 

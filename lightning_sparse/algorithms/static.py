@@ -14,6 +14,7 @@ import torch
 from lightning_sparse.algorithms.base import Candidate, SparsityAlgorithm, validate_sparsity
 from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.filters import ParamFilter
+from lightning_sparse.sharding import full, shard_like
 
 __all__ = ["Static"]
 
@@ -64,8 +65,10 @@ class Static(SparsityAlgorithm):
         """``distribution="global"``: one magnitude ranking over all chosen parameters."""
         if not self.global_ranking:
             return super().initial_masks(chosen)
-        masks = global_magnitude({name: p.detach() for name, _, _, p in chosen}, self.sparsity)
-        return [masks[name] for name, _, _, _ in chosen]
+        masks = global_magnitude(
+            {name: full(p.detach()) for name, _, _, p in chosen}, self.sparsity
+        )
+        return [shard_like(masks[name], p) for name, _, _, p in chosen]
 
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Nothing to do: a static mask never changes."""

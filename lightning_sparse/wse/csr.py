@@ -5,7 +5,8 @@ A `CSRWeight` holds the compressed-sparse-row structure of a weight `W [out, in]
 which the input gradient `grad_X = grad_Y W` walks. Indices are compact int32, as the device would
 store them. The structure depends only on the mask; values are re-gathered from the live weight on
 every call (`gather_values`), so an optimizer step never invalidates a `CSRWeight`, only a mask
-change does, and rebuilding is a handful of vectorised tensor ops (no Python loop over elements).
+change does. Rebuilding is one native pass over the mask when the compiled kernels are available
+(see `kernels.py`), else a handful of vectorised tensor ops; never a Python loop over elements.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ class CSRWeight:
         crow_indices: int32 `[out + 1]`; row `i` owns entries `crow_indices[i]:crow_indices[i+1]`.
         col_indices: int32 `[nnz]`; input column of each entry, ascending within a row.
         values: `[nnz]` weight values in CSR order, a detached snapshot taken at build time.
-        flat_indices: int64 `[nnz]`; `row * in + col` of each entry, for gathering live values.
+        flat_indices: int32 `[nnz]`; `row * in + col` of each entry, for gathering live values.
         t_crow_indices: int32 `[in + 1]`; row pointers of `W^T` (column pointers of `W`).
         t_col_indices: int32 `[nnz]`; the `W` row of each entry in transposed order.
-        t_perm: int64 `[nnz]`; CSR position of each transposed entry, so the values of `W^T` in
+        t_perm: int32 `[nnz]`; CSR position of each transposed entry, so the values of `W^T` in
             its own CSR order are `values[t_perm]`.
         mask: bool `[out, in]` snapshot of the mask (used by the dense execution path).
     """
@@ -48,7 +49,7 @@ class CSRWeight:
     mask: Tensor
 
     @classmethod
-    def from_dense(cls, weight: Tensor, mask: Tensor) -> CSRWeight:
+    def from_dense(cls, weight: Tensor, mask: Tensor, *, compiled: bool | None = None) -> CSRWeight:
         """Builds the CSR and transposed-CSR structure of `weight` under `mask`.
 
         Entries are exactly the True positions of the mask, even where the weight value is 0
@@ -57,13 +58,15 @@ class CSRWeight:
         Args:
             weight: dense weight `[out, in]`; only its kept values are copied.
             mask: bool `[out, in]`, True = kept.
+            compiled: use the native builder (True), PyTorch ops (False), or the native builder
+                whenever it is available for this device (None). Both give identical results.
 
         Returns:
-            The structure; cost is O(out * in) for the mask scan plus a stable sort of the nnz
-            column indices.
+            The structure. Cost: one O(out * in) pass over the mask plus O(nnz) work.
 
         Raises:
-            ValueError: if the shapes differ, the mask is not bool, or nnz does not fit int32.
+            ValueError: if the shapes differ, the mask is not bool, the weight does not fit int32
+                indices, or `compiled=True` where the native builder is unavailable.
         """
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
@@ -81,15 +84,7 @@ class CSRWeight:
                 f"a {out_features}x{in_features} weight is too large for int32 CSR indices"
             )
         mask = mask.detach().clone()
-        # nonzero() yields kept positions in row-major order, i.e. already in CSR order.
-        flat = mask.reshape(-1).nonzero().squeeze(1)
-        rows = torch.div(flat, max(in_features, 1), rounding_mode="floor")
-        cols = (flat - rows * in_features).to(torch.int32)
-        crow = _row_pointers(rows, out_features)
-        # A stable sort by column keeps rows ascending within each column: the CSC order of W.
-        # int32 keys matter: torch's stable int64 sort is orders of magnitude slower on CPU.
-        t_perm = torch.sort(cols, stable=True).indices
-        t_crow = _row_pointers(cols, in_features)
+        crow, cols, flat, t_crow, t_col, t_perm = _indices(mask, compiled)
         return cls(
             shape=(out_features, in_features),
             crow_indices=crow,
@@ -97,7 +92,7 @@ class CSRWeight:
             values=weight.detach().reshape(-1).index_select(0, flat),
             flat_indices=flat,
             t_crow_indices=t_crow,
-            t_col_indices=rows.to(torch.int32).index_select(0, t_perm),
+            t_col_indices=t_col,
             t_perm=t_perm,
             mask=mask,
         )
@@ -135,7 +130,7 @@ class CSRWeight:
         """Dense `[out, in]` tensor with `values` (default: the snapshot) at kept positions."""
         values = self.values if values is None else values
         dense = values.new_zeros(self.shape[0] * self.shape[1])
-        dense.index_copy_(0, self.flat_indices, values)
+        dense.index_put_((self.flat_indices,), values)
         return dense.view(self.shape)
 
     def to_torch_csr(self, values: Tensor | None = None, transposed: bool = False) -> Tensor:
@@ -155,6 +150,37 @@ class CSRWeight:
             f"CSRWeight(shape={self.shape}, nnz={self.nnz}, sparsity={self.sparsity:.4f}, "
             f"device={self.device})"
         )
+
+
+def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, ...]:
+    """int32 `(crow, col, flat, t_crow, t_col, t_perm)` of a bool mask, natively or in PyTorch."""
+    if compiled is not False and mask.device.type == "cpu":
+        # Deferred import: kernels.py builds on this module, and owns the native library.
+        from lightning_sparse.wse import kernels
+
+        reason = kernels.native_unavailable_reason()
+        if reason is None:
+            return kernels.native_csr_indices(mask)
+        if compiled:
+            raise ValueError(f"compiled=True but the native CSR builder is unavailable: {reason}")
+    elif compiled:
+        raise ValueError(f"compiled=True needs a CPU mask, got one on {mask.device}")
+    out_features, in_features = mask.shape
+    # nonzero() yields kept positions in row-major order, i.e. already in CSR order.
+    flat = mask.reshape(-1).nonzero().squeeze(1)
+    rows = torch.div(flat, max(in_features, 1), rounding_mode="floor")
+    cols = (flat - rows * in_features).to(torch.int32)
+    # A stable sort by column keeps rows ascending within each column: the CSC order of W.
+    # int32 keys matter: torch's stable int64 sort is orders of magnitude slower on CPU.
+    t_perm = torch.sort(cols, stable=True).indices.to(torch.int32)
+    return (
+        _row_pointers(rows, out_features),
+        cols,
+        flat.to(torch.int32),
+        _row_pointers(cols, in_features),
+        rows.to(torch.int32).index_select(0, t_perm),
+        t_perm,
+    )
 
 
 def _row_pointers(row_of_entry: Tensor, num_rows: int) -> Tensor:

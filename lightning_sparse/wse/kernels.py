@@ -71,6 +71,8 @@ _CPP_SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 
+#include <omp.h>
+
 // GCC/Clang vector extensions: one register = 64 bytes with AVX-512, else 32 (AVX2/NEON pairs).
 #if defined(__AVX512F__)
 #define LS_VECTOR_BYTES 64
@@ -92,6 +94,43 @@ template <typename S> inline S horizontal_sum(Vec<S> v) {
   S s = 0;
   for (int l = 0; l < kLanes<S>; ++l) s += v[l];
   return s;
+}
+
+// out[0..3] = horizontal sums of a0..a3, sharing shuffles across the four (a transpose-reduce).
+template <typename S>
+inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+  if constexpr (kLanes<S> == 16) {
+    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                       __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                       __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                     __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    const Vec<S> t = s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const Vec<S> u = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] += u[0]; out[1] += u[4]; out[2] += u[8]; out[3] += u[12];
+    return;
+  } else if constexpr (kLanes<S> == 8) {
+    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     __builtin_shufflevector(s01, s23, 2, 3, 6, 7, 10, 11, 14, 15);
+    const Vec<S> u = s + __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] += u[0]; out[1] += u[2]; out[2] += u[4]; out[3] += u[6];
+    return;
+  } else if constexpr (kLanes<S> == 4) {
+    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) + __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
+    out[0] += s[0]; out[1] += s[1]; out[2] += s[2]; out[3] += s[3];
+    return;
+  }
+#endif
+  out[0] += horizontal_sum<S>(a0); out[1] += horizontal_sum<S>(a1);
+  out[2] += horizontal_sum<S>(a2); out[3] += horizontal_sum<S>(a3);
 }
 
 struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
@@ -226,10 +265,7 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
               a2 += g[v] * load<S>(x2 + v * L);
               a3 += g[v] * load<S>(x3 + v * L);
             }
-            vals[k] += horizontal_sum<S>(a0);
-            vals[k + 1] += horizontal_sum<S>(a1);
-            vals[k + 2] += horizontal_sum<S>(a2);
-            vals[k + 3] += horizontal_sum<S>(a3);
+            reduce4<S>(a0, a1, a2, a3, vals + k);
           }
           for (; k < end; ++k) {
             const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
@@ -287,9 +323,101 @@ int sddmm_dispatch(const int32_t* crow, const int32_t* col, const S* G, const S*
   }
 }
 
+
+// --- CSR structure of a bool mask ---------------------------------------------------------------
+
+// Bit k of the result is byte k of w, for bytes that are 0 or 1 (torch.bool): the multiply moves
+// byte k's low bit to bit 56 + k without carries.
+inline uint32_t byte_bits(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return static_cast<uint32_t>((w * 0x0102040810204080ULL) >> 56);
+}
+
+// Row pointers crow [M + 1] of the kept (nonzero) bytes of mask [M, K]; returns nnz.
+int64_t csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* row = mask + i * K;
+    int32_t count = 0;
+    for (int64_t j = 0; j < K; ++j) count += row[j];
+    crow[i + 1] = count;
+  }
+  crow[0] = 0;
+  for (int64_t i = 0; i < M; ++i) crow[i + 1] += crow[i];
+  return crow[M];
+}
+
+// Given crow: col and flat (= i * K + j) in CSR order, then the transposed structure by a stable
+// counting sort on the column: t_crow [K + 1], t_col (row of W) and t_perm (CSR position) in CSC
+// order. Each thread owns a contiguous band of rows and its own per-column cursors, so the sort is
+// parallel and still stable.
+int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
+             int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
+  threads = std::max(1, threads);
+  Buffer hbuf(sizeof(int32_t) * K * threads);
+  if (!hbuf.ptr) return 1;
+  int32_t* hist = static_cast<int32_t*>(hbuf.ptr);
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t i0 = M * me / team, i1 = M * (me + 1) / team;
+    int32_t* cursor = hist + K * me;
+    std::memset(cursor, 0, sizeof(int32_t) * K);
+    for (int64_t i = i0; i < i1; ++i) {
+      const uint8_t* row = mask + i * K;
+      int32_t p = crow[i];
+      int64_t j = 0;
+      for (; j + 8 <= K; j += 8) {
+        for (uint32_t bits = byte_bits(row + j); bits != 0; bits &= bits - 1) {
+          const int32_t c = static_cast<int32_t>(j + __builtin_ctz(bits));
+          col[p] = c;
+          flat[p++] = static_cast<int32_t>(i * K + c);
+          ++cursor[c];
+        }
+      }
+      for (; j < K; ++j) {
+        if (row[j]) {
+          col[p] = static_cast<int32_t>(j);
+          flat[p++] = static_cast<int32_t>(i * K + j);
+          ++cursor[j];
+        }
+      }
+    }
+#pragma omp barrier
+#pragma omp single
+    {
+      int32_t start = 0;  // turn per-thread column counts into per-thread write cursors
+      for (int64_t j = 0; j < K; ++j) {
+        t_crow[j] = start;
+        for (int t = 0; t < team; ++t) {
+          const int32_t count = hist[K * t + j];
+          hist[K * t + j] = start;
+          start += count;
+        }
+      }
+      t_crow[K] = start;
+    }
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int32_t p = crow[i]; p < crow[i + 1]; ++p) {
+        const int32_t d = cursor[col[p]]++;
+        t_col[d] = static_cast<int32_t>(i);
+        t_perm[d] = p;
+      }
+    }
+  }
+  return 0;
+}
 }  // namespace
 
 extern "C" {
+int64_t ls_csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
+  return csr_count(mask, M, K, crow, threads);
+}
+int ls_csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
+                int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
+  return csr_fill(mask, M, K, crow, col, flat, t_crow, t_col, t_perm, threads);
+}
 void ls_spmm_f32(const int32_t* crow, const int32_t* col, const float* val, const float* X,
                  const float* bias, int64_t N, int64_t K, int64_t M, float* Y, int threads) {
   spmm_dispatch<float>(crow, col, val, X, bias, N, K, M, Y, threads);
@@ -322,6 +450,10 @@ def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building the native kernels failed: {error}"
     pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.ls_csr_count.argtypes = [pointer, size, size, pointer, ctypes.c_int]
+    lib.ls_csr_count.restype = size
+    lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [ctypes.c_int]
+    lib.ls_csr_fill.restype = ctypes.c_int
     for suffix in ("f32", "f64"):
         spmm = getattr(lib, f"ls_spmm_{suffix}")
         spmm.argtypes = [pointer] * 5 + [size] * 3 + [pointer, ctypes.c_int]
@@ -393,6 +525,35 @@ def _native_function(name: str, dtype: torch.dtype) -> Callable[..., int | None]
     return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
 
 
+def native_csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """CSR structure of a CPU bool mask `[M, K]` by the native builder.
+
+    Returns:
+        int32 `(crow [M+1], col [nnz], flat [nnz], t_crow [K+1], t_col [nnz], t_perm [nnz])` as
+        documented on `CSRWeight`.
+
+    Raises:
+        RuntimeError: if the native library is unavailable.
+    """
+    lib, reason = _native_library()
+    if lib is None:
+        raise RuntimeError(f"the compiled path is unavailable: {reason}")
+    mask = mask.contiguous()
+    rows, cols = mask.shape
+    threads = torch.get_num_threads()
+    crow = torch.empty(rows + 1, dtype=torch.int32)
+    nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
+    col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
+    t_crow = torch.empty(cols + 1, dtype=torch.int32)
+    status = lib.ls_csr_fill(
+        mask.data_ptr(), rows, cols, crow.data_ptr(), col.data_ptr(), flat.data_ptr(),
+        t_crow.data_ptr(), t_col.data_ptr(), t_perm.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native CSR builder could not allocate its work buffer")
+    return crow, col, flat, t_crow, t_col, t_perm
+
+
 def _native_spmm(
     crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
 ) -> None:
@@ -412,7 +573,6 @@ def _native_sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: T
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native SDDMM kernel could not allocate its work buffers")
-
 
 
 class _Backend(NamedTuple):
@@ -498,15 +658,11 @@ class _SparseLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def _run_path(
-    path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None
-) -> Tensor:
+def _run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
     if path == "dense":
         return F.linear(x, weight * csr.mask, bias)
     out_features, in_features = csr.shape
-    y2 = _SparseLinearFunction.apply(
-        x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path]
-    )
+    y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
     return y2.reshape(*x.shape[:-1], out_features)
 
 
@@ -514,7 +670,9 @@ def _unsupported_reason(path: str, x: Tensor) -> str | None:
     """Why `path` cannot run on `x` (None when it can)."""
     if path == "compiled":
         if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-            return f"the compiled kernels need CPU float32/float64 tensors, got {x.device} {x.dtype}"
+            return (
+                f"the compiled kernels need CPU float32/float64 tensors, got {x.device} {x.dtype}"
+            )
         return native_unavailable_reason()
     if path == "torch" and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
         return f"PyTorch's CPU CSR kernels need float32/float64 tensors, got {x.dtype}"

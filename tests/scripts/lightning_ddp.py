@@ -1,0 +1,120 @@
+"""Fit a tiny float64 regressor with RigL and with SET under Lightning; save what each rank saw.
+
+Run as ``python tests/scripts/lightning_ddp.py OUTDIR``: Lightning's ``"ddp"`` launcher
+re-executes this file for rank 1, so it must be a standalone script, not a pytest function. Each
+rank writes ``OUTDIR/rank{r}.pt`` = ``{kind: fit(...)}``; ``tests/test_distributed.py`` compares
+them with ``fit(kind, devices=1)`` run in a single process.
+
+Data order: the sampler Lightning injects for training data always shuffles (Lightning 2.6
+passes ``shuffle=True`` for the training stage whatever the DataLoader says), so
+``train_dataloader`` builds its own ``DistributedSampler(shuffle=False)``, which Lightning keeps.
+It gives rank ``r`` the indices ``r, r + 2, ...``, so the two per-rank batches of step ``s``
+together hold samples ``16 s .. 16 s + 15``: exactly the single-process batch ``s`` of a
+sequential loader with ``batch_size=16``. The loss is a mean and DDP averages gradients, so both
+see the same gradient up to float64 rounding.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_sparse import SET, RigL
+
+WORLD = 2
+GLOBAL_BATCH = 16
+# Updates at steps 2, 4 and 6: the last one runs inside the 7th (last) optimizer step, so no later
+# forward's buffer broadcast from rank 0 can overwrite a diverged rank-1 mask before it is saved.
+STEPS = 7
+KINDS = ("rigl", "set")
+
+
+def make_algorithm(kind: str) -> SET:
+    """The algorithm under test; RigL is a subclass of SET."""
+    cls = {"rigl": RigL, "set": SET}[kind]
+    return cls(sparsity=0.75, update={"freq": 2}, drop_fraction=0.3, seed=11)
+
+
+class Regressor(pl.LightningModule):
+    """Three Linear layers (all sparsified by the default filter), float64, mean-squared error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)
+        ).double()
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> Any:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def train_dataloader(self) -> DataLoader:
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        if world == 1:
+            return DataLoader(dataset(), batch_size=GLOBAL_BATCH, shuffle=False)
+        sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=False)
+        return DataLoader(dataset(), batch_size=GLOBAL_BATCH // world, sampler=sampler)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def dataset() -> TensorDataset:
+    """STEPS * GLOBAL_BATCH deterministic samples."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * GLOBAL_BATCH, 8, generator=g, dtype=torch.float64)
+    y = torch.sin(x @ torch.randn(8, 4, generator=g, dtype=torch.float64))
+    return TensorDataset(x, y)
+
+
+def _masks(algorithm: SET) -> dict[str, torch.Tensor]:
+    return {name: sp.mask.clone() for name, sp in algorithm.sparse_params.items()}
+
+
+def fit(kind: str, devices: int) -> dict[str, Any]:
+    """Fit for STEPS steps; return masks after every update, final masks and weights, counters."""
+    algorithm = make_algorithm(kind)
+    history: dict[int, dict[str, torch.Tensor]] = {}
+    algorithm.register_update_hook(lambda a, step, stats: history.__setitem__(step, _masks(a)))
+    module = Regressor()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=STEPS,
+        callbacks=[algorithm],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(module)
+    return {
+        "rank": trainer.global_rank,
+        "world_size": trainer.world_size,
+        "step": algorithm.step,
+        "global_step": trainer.global_step,
+        "history": history,
+        "masks": _masks(algorithm),
+        "ever_active": {name: m.clone() for name, m in algorithm.ever_active.items()},
+        "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+    }
+
+
+def main(outdir: Path) -> None:
+    results = {kind: fit(kind, devices=WORLD) for kind in KINDS}
+    rank = results[KINDS[0]]["rank"]
+    torch.save(results, outdir / f"rank{rank}.pt")
+    # Rank 0's exit ends the test's wait: make sure rank 1 has written its file by then.
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -146,8 +146,9 @@ def test_gmp_shaper_ranks_each_row_separately() -> None:
 
 def test_set_drops_smallest_active_and_regrows_from_its_random_stream() -> None:
     seed, step = 7, 3
-    algorithm = SET(0.375, update={"freq": 3}, drop_fraction=0.4, seed=seed,
-                    init_method=fixed_mask(M8))
+    algorithm = SET(
+        0.375, update={"freq": 3}, drop_fraction=0.4, seed=seed, init_method=fixed_mask(M8)
+    )
     model = hand_update(algorithm, W8, step)
     new = flat_set(model.weight_mask)
     assert len(new) == 5
@@ -161,11 +162,13 @@ def test_set_drops_smallest_active_and_regrows_from_its_random_stream() -> None:
 
 
 def test_set_drop_fraction_zero_changes_nothing_and_one_replaces_all() -> None:
-    keep = hand_update(SET(0.375, update={"freq": 1}, drop_fraction=0.0,
-                           init_method=fixed_mask(M8)), W8, 1)
+    keep = hand_update(
+        SET(0.375, update={"freq": 1}, drop_fraction=0.0, init_method=fixed_mask(M8)), W8, 1
+    )
     assert torch.equal(keep.weight_mask, M8)
-    every = hand_update(SET(0.375, update={"freq": 1}, drop_fraction=1.0, seed=1,
-                            init_method=fixed_mask(M8)), W8, 1)
+    every = hand_update(
+        SET(0.375, update={"freq": 1}, drop_fraction=1.0, seed=1, init_method=fixed_mask(M8)), W8, 1
+    )
     assert int(every.weight_mask.sum()) == 5  # all 5 dropped, 5 regrown from all 8 positions
 
 
@@ -207,13 +210,19 @@ def test_rigl_balanced_groups_hand_case() -> None:
     mask = as_mask([[1, 1, 0, 0], [0, 1, 0, 1]])
     grad = [[0, 0, 1, 0.5], [9, 0, 8, 0]]
     # Per row: n_target = 2, n_drop = int(0.5 * 2) = 1: drop 0.1 / 0.3, grow by |grad| in-row.
-    balanced = RigL(0.5, update={"freq": 1}, drop_fraction=0.5, balance_out_groups=2,
-                    init_method=fixed_mask(mask))
+    balanced = RigL(
+        0.5,
+        update={"freq": 1},
+        drop_fraction=0.5,
+        balance_out_groups=2,
+        init_method=fixed_mask(mask),
+    )
     model = hand_update(balanced, w, 1, grad)
     assert torch.equal(model.weight_mask, as_mask([[1, 0, 1, 0], [1, 0, 0, 1]]))
     # Unstructured: n_target = 4, n_drop = 2, both grown in row 1 (|grad| 9 and 8).
-    flat = hand_update(RigL(0.5, update={"freq": 1}, drop_fraction=0.5,
-                            init_method=fixed_mask(mask)), w, 1, grad)
+    flat = hand_update(
+        RigL(0.5, update={"freq": 1}, drop_fraction=0.5, init_method=fixed_mask(mask)), w, 1, grad
+    )
     assert torch.equal(flat.weight_mask, as_mask([[1, 0, 0, 0], [1, 0, 1, 1]]))
 
 
@@ -233,8 +242,9 @@ def test_granet_prunes_surplus_then_drops_and_regrows(
     mask = as_mask([[1, 1, 1, 0, 1, 1, 0, 1]])  # 6 active = int((1 - 0.25) * 8)
     grad = [[9, 0.2, 0.3, 0.6, 0.1, 0.05, 0.8, 9]]
     schedule = {"type": "cubic", "init": 0.25, "final": 0.5, "begin": 0, "end": 4}
-    algorithm = GraNet(schedule, update={"freq": 4}, drop_fraction=drop_fraction,
-                       init_method=fixed_mask(mask))
+    algorithm = GraNet(
+        schedule, update={"freq": 4}, drop_fraction=drop_fraction, init_method=fixed_mask(mask)
+    )
     model = hand_update(algorithm, w, 4, grad)  # s(4) = 0.5: n_target = 4, surplus = 2
     assert flat_set(model.weight_mask) == expected
     assert algorithm.mask_target("weight") == 0.5
@@ -244,8 +254,12 @@ def test_granet_prunes_surplus_then_drops_and_regrows(
 
 
 def reference_rigl(
-    w: torch.Tensor, grad: torch.Tensor, mask: torch.Tensor, sparsity: float,
-    drop_fraction: float, groups: int,
+    w: torch.Tensor,
+    grad: torch.Tensor,
+    mask: torch.Tensor,
+    sparsity: float,
+    drop_fraction: float,
+    groups: int,
 ) -> torch.Tensor:
     """RigL's update (Evci et al. 2020, Algorithm 1) per balance group, with plain sorts.
 
@@ -311,12 +325,19 @@ REFERENCE_SETTINGS = settings(
 @given(case=update_inputs())
 def test_rigl_matches_reference(case: dict[str, Any]) -> None:
     algorithm = RigL(
-        case["sparsity"], update={"freq": 1}, drop_fraction=case["drop_fraction"],
-        balance_out_groups=case["groups"], init_method=fixed_mask(case["mask"]),
+        case["sparsity"],
+        update={"freq": 1},
+        drop_fraction=case["drop_fraction"],
+        balance_out_groups=case["groups"],
+        init_method=fixed_mask(case["mask"]),
     )
     model = hand_update(algorithm, case["w"].tolist(), 1, case["grad"].tolist())
     expected = reference_rigl(
-        case["w"], case["grad"], case["mask"], case["sparsity"], case["drop_fraction"],
+        case["w"],
+        case["grad"],
+        case["mask"],
+        case["sparsity"],
+        case["drop_fraction"],
         case["groups"],
     )
     assert torch.equal(model.weight_mask, expected)
@@ -326,8 +347,12 @@ def test_rigl_matches_reference(case: dict[str, Any]) -> None:
 @given(case=update_inputs())
 def test_gmp_matches_reference(case: dict[str, Any]) -> None:
     s = case["sparsity"]
-    algorithm = GMP(lambda step: s, update={"freq": 1}, shaper=OutputGroups(case["groups"]),
-                    init_method=fixed_mask(case["mask"]))
+    algorithm = GMP(
+        lambda step: s,
+        update={"freq": 1},
+        shaper=OutputGroups(case["groups"]),
+        init_method=fixed_mask(case["mask"]),
+    )
     model = hand_update(algorithm, case["w"].tolist(), 1)
     assert torch.equal(model.weight_mask, reference_topk(case["w"], s, case["groups"]))
 
@@ -348,20 +373,24 @@ CONTRACT: dict[str, Callable[[], SparsityAlgorithm]] = {
     "static": lambda: Static(0.6, seed=1),
     "set": lambda: SET(0.6, update={"freq": 2}, drop_fraction=0.4, seed=1),
     "rigl": lambda: RigL(
-        0.6, update={"freq": 2}, seed=1,
+        0.6,
+        update={"freq": 2},
+        seed=1,
         drop_fraction={"type": "cosine", "init": 0.5, "half_period": 8},
     ),
     "gmp": lambda: GMP(CUBIC, update={"freq": 2}),
     "granet": lambda: GraNet({**CUBIC, "init": 0.3}, update={"freq": 2}, drop_fraction=0.3),
-    "keepfirst": lambda: KeepFirst({"type": "linear", "init": 0.3, "slope": 0.04},
-                                   update={"freq": 3}),
+    "keepfirst": lambda: KeepFirst(
+        {"type": "linear", "init": 0.3, "slope": 0.04}, update={"freq": 3}
+    ),
 }
 
 
 def registered() -> list[str]:
     """Library algorithms plus the ones defined here (other test modules' classes excluded)."""
     return [
-        name for name, cls in available_algorithms().items()
+        name
+        for name, cls in available_algorithms().items()
         if cls.__module__.startswith("lightning_sparse") or cls.__module__ == __name__
     ]
 
@@ -408,11 +437,11 @@ def assert_core_invariants(
     for name, sp in sparsity.sparse_params.items():
         pruned = ~sp.mask
         assert not sp.param.detach()[pruned].any(), f"{when}: {name} pruned weight != 0"
-        if sp.param.grad is not None:
-            assert not sp.param.grad[pruned].any(), f"{when}: {name} pruned grad != 0"
         state = optimizer.state[sp.param]
         for key in ("exp_avg", "exp_avg_sq"):
             assert not state[key][pruned].any(), f"{when}: {name} Adam {key} != 0 where pruned"
+        if sp.param.grad is not None:
+            assert not sp.param.grad[pruned].any(), f"{when}: {name} pruned grad != 0"
         n = sp.mask.numel()
         expected = int((1 - sparsity.mask_target(name)) * n)
         assert int(sp.mask.sum()) == expected, f"{when}: {name} keeps {int(sp.mask.sum())}"
@@ -433,7 +462,29 @@ def test_contract_invariants_every_step(name: str) -> None:
         assert updates == [t for t in range(1, 10) if t % freq == 0]
         assert any(not torch.equal(m, initial[n]) for n, m in masks_of(sparsity).items())
     else:
-        assert updates == [] and all(torch.equal(m, initial[n]) for n, m in masks_of(sparsity).items())
+        assert updates == []
+        assert all(torch.equal(m, initial[n]) for n, m in masks_of(sparsity).items())
+
+
+class InvariantCheck(pl.Callback):
+    """Checks the core invariants at the end of every training batch (after its optimizer step)."""
+
+    def __init__(self, sparsity: SparsityAlgorithm) -> None:
+        self.sparsity = sparsity
+        self.checked = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        when = f"{self.sparsity!r} after Lightning step {self.sparsity.step}"
+        assert_core_invariants(self.sparsity, trainer.optimizers[0], when)
+        self.checked += 1
+
+
+@pytest.mark.parametrize("name", registered())
+def test_contract_invariants_every_step_under_lightning(tmp_path: Path, name: str) -> None:
+    sparsity = make(name)
+    check = InvariantCheck(sparsity)
+    trainer(tmp_path, max_steps=5, callbacks=[sparsity, check]).fit(TinyLM(), token_loader())
+    assert check.checked == 5 and sparsity.step == 5
 
 
 @pytest.mark.parametrize("split", [4, 5], ids=["resume-at-update-step", "resume-between"])
@@ -446,11 +497,13 @@ def test_contract_resume_equals_uninterrupted(name: str, split: int) -> None:
     model_a, sparsity_a, optimizer_a = lm_setup(name)
     for step in range(split):
         lm_step(model_a, optimizer_a, step)
-    saved = copy.deepcopy({
-        "model": model_a.state_dict(),
-        "optimizer": optimizer_a.state_dict(),
-        "sparsity": sparsity_a.state_dict(),
-    })
+    saved = copy.deepcopy(
+        {
+            "model": model_a.state_dict(),
+            "optimizer": optimizer_a.state_dict(),
+            "sparsity": sparsity_a.state_dict(),
+        }
+    )
     model_b, sparsity_b, optimizer_b = lm_setup(name)  # fresh objects, as in a new process
     model_b.load_state_dict(saved["model"])
     optimizer_b.load_state_dict(saved["optimizer"])
@@ -489,8 +542,10 @@ def mlp64() -> nn.Sequential:
 
 def regression_data() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(48, 6, generator=g, dtype=torch.float64),
-            torch.randn(48, 3, generator=g, dtype=torch.float64))
+    return (
+        torch.randn(48, 6, generator=g, dtype=torch.float64),
+        torch.randn(48, 3, generator=g, dtype=torch.float64),
+    )
 
 
 def make_rigl() -> RigL:
@@ -524,7 +579,7 @@ def plain_accumulation_run(micro_batches: int) -> tuple[dict[str, torch.Tensor],
     sparsity.apply(optimizer)
     expected = {}
     for t in range(3):
-        xb, yb = x[16 * t: 16 * (t + 1)], y[16 * t: 16 * (t + 1)]
+        xb, yb = x[16 * t : 16 * (t + 1)], y[16 * t : 16 * (t + 1)]
         optimizer.zero_grad()
         if t == 2:
             # Reference: the dense gradient of the full batch on a plain copy of the weights.
@@ -556,8 +611,9 @@ def test_lightning_accumulate_grad_batches_gives_the_big_batch_rigl_masks(tmp_pa
     for batch_size, accumulate in ((16, 1), (4, 4)):
         module, callback = Regression(), make_rigl()
         loader = DataLoader(TensorDataset(*regression_data()), batch_size=batch_size)
-        trainer(tmp_path, max_steps=3, accumulate_grad_batches=accumulate,
-                callbacks=[callback]).fit(module, loader)
+        trainer(
+            tmp_path, max_steps=3, accumulate_grad_batches=accumulate, callbacks=[callback]
+        ).fit(module, loader)
         assert callback.step == 3 and callback._last_update_step == 2
         masks.append(masks_of(callback))
     plain, expected = plain_accumulation_run(1)
@@ -574,7 +630,9 @@ def shaped_model() -> nn.Sequential:
 
 
 def train_plain(
-    model: nn.Module, sparsity: SparsityAlgorithm, steps: int,
+    model: nn.Module,
+    sparsity: SparsityAlgorithm,
+    steps: int,
     check: Callable[[int], None] | None = None,
 ) -> torch.optim.Optimizer:
     model.apply(sparsity)
@@ -679,10 +737,17 @@ def test_erk_distribution_mean_is_target_and_small_layers_are_denser(name: str) 
 
 def global_reference(weights: dict[str, torch.Tensor], sparsity: float) -> dict[str, torch.Tensor]:
     """Top ``int((1 - s) * total)`` of |w| over all layers; ties to the earlier layer / index."""
-    flat = [(abs(v), li, i) for li, w in enumerate(weights.values())
-            for i, v in enumerate(w.reshape(-1).tolist())]
-    chosen = {(li, i) for _, li, i in sorted(flat, key=lambda t: (-t[0], t[1], t[2]))
-              [: int((1 - sparsity) * len(flat))]}
+    flat = [
+        (abs(v), li, i)
+        for li, w in enumerate(weights.values())
+        for i, v in enumerate(w.reshape(-1).tolist())
+    ]
+    chosen = {
+        (li, i)
+        for _, li, i in sorted(flat, key=lambda t: (-t[0], t[1], t[2]))[
+            : int((1 - sparsity) * len(flat))
+        ]
+    }
     return {
         name: torch.tensor([(li, i) in chosen for i in range(w.numel())]).reshape(w.shape)
         for li, (name, w) in enumerate(weights.items())
@@ -744,7 +809,7 @@ def test_set_update_hook_counts_and_itop_grow_monotonically() -> None:
         itop.append(float(sparsity.itop_rate()))
 
     train_plain(model, sparsity, 6, check)
-    assert [step for step, _ in seen] == [1, 2, 3, 4, 5, 6]
+    assert [step for step, _ in seen] == [1, 2, 3, 4, 5]  # step 0 is never an update
     for step, stats in seen:
         assert set(stats) == set(sparsity.sparse_params)
         for name, s in stats.items():
@@ -770,8 +835,13 @@ def test_lightning_logs_update_metrics(tmp_path: Path) -> None:
         totals[step] = (dropped, grown, float(alg.itop_rate()))
 
     callback.register_update_hook(record)
-    t = trainer(tmp_path, max_steps=7, logger=CSVLogger(tmp_path, name="logs"),
-                log_every_n_steps=1, callbacks=[callback])
+    t = trainer(
+        tmp_path,
+        max_steps=7,
+        logger=CSVLogger(tmp_path, name="logs"),
+        log_every_n_steps=1,
+        callbacks=[callback],
+    )
     t.fit(TinyLM(), token_loader())
     assert sorted(totals) == [3, 6]
     with open(Path(t.logger.log_dir) / "metrics.csv") as f:
@@ -779,12 +849,12 @@ def test_lightning_logs_update_metrics(tmp_path: Path) -> None:
     by_step = {int(r["step"]): r for r in rows if r.get("sparsity/target")}
     keys = ("sparsity/dropped", "sparsity/grown", "sparsity/itop")
     assert all(k in rows[0] for k in keys), sorted(rows[0])
-    # Nothing before the first update; after it, the update's own numbers. The update at
-    # `step` runs inside optimizer step `step + 1`, whose batch ends with global_step step + 1.
+    # Nothing before the first update; then the update's own numbers in the row of its step
+    # (the logger's step of the batch whose optimizer step ran the update).
     for step in range(0, 3):
         assert all(by_step[step][k] == "" for k in keys), by_step[step]
     for step, (dropped, grown, itop) in totals.items():
-        row = by_step[step + 1]
+        row = by_step[step]
         assert float(row["sparsity/dropped"]) == dropped > 0
         assert float(row["sparsity/grown"]) == grown
         assert float(row["sparsity/itop"]) == pytest.approx(itop)

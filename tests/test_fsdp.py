@@ -111,3 +111,26 @@ def test_fsdp2_matches_single_process(tmp_path: Path, kind: str) -> None:
                 torch.testing.assert_close(got, value, rtol=1e-9, atol=1e-11, msg=key)
         for name, (local_numel, numel) in result["local_mask_numel"].items():
             assert local_numel == numel // 2, f"{name}: a rank holds {local_numel} of {numel}"
+
+
+def test_lightning_model_parallel_strategy_fsdp2(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy (fully_shard in configure_model) on 2 CPU processes."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).parent / "scripts" / "lightning_fsdp2.py"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "STEPS": "6"}
+    for mode in ("fsdp2", "single"):
+        done = subprocess.run([sys.executable, str(script), str(tmp_path), mode], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    single = torch.load(tmp_path / "single.pt", weights_only=False)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["step"] == single["step"] == 6
+        assert set(result["sharded"].values()) == {"DTensor"}
+        for key, value in single["state"].items():
+            if key.endswith("_mask"):
+                assert torch.equal(result["state"][key], value), key
+            else:
+                torch.testing.assert_close(result["state"][key], value, rtol=1e-9, atol=1e-11)

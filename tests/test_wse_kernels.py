@@ -40,10 +40,11 @@ def _mask(shape: tuple[int, int], sparsity: float, seed: int) -> torch.Tensor:
 # --- CSRWeight -------------------------------------------------------------------------------
 
 
-def test_csr_structure_hand_computed() -> None:
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=COMPILED.marks)])
+def test_csr_structure_hand_computed(compiled: bool) -> None:
     weight = torch.arange(1.0, 10.0).view(3, 3)
     mask = torch.tensor([[1, 0, 1], [0, 0, 0], [1, 1, 0]], dtype=torch.bool)
-    csr = CSRWeight.from_dense(weight, mask)
+    csr = CSRWeight.from_dense(weight, mask, compiled=compiled)
     assert csr.crow_indices.tolist() == [0, 2, 2, 4]
     assert csr.col_indices.tolist() == [0, 2, 0, 1]
     assert csr.values.tolist() == [1.0, 3.0, 7.0, 8.0]
@@ -52,8 +53,9 @@ def test_csr_structure_hand_computed() -> None:
     assert csr.t_crow_indices.tolist() == [0, 2, 3, 4]
     assert csr.t_col_indices.tolist() == [0, 2, 2, 0]
     assert csr.t_perm.tolist() == [0, 2, 3, 1]
-    assert csr.crow_indices.dtype == csr.col_indices.dtype == torch.int32
-    assert csr.t_crow_indices.dtype == csr.t_col_indices.dtype == torch.int32
+    for indices in (csr.crow_indices, csr.col_indices, csr.flat_indices, csr.t_crow_indices,
+                    csr.t_col_indices, csr.t_perm):  # fmt: skip
+        assert indices.dtype == torch.int32
     assert (csr.nnz, csr.sparsity) == (4, pytest.approx(5 / 9))
 
 
@@ -75,6 +77,31 @@ def test_csr_snapshots_mask_and_gathers_live_values() -> None:
     mask.fill_(True)  # mutating the caller's mask must not change the structure
     assert torch.equal(csr.mask, expected_mask)
     torch.testing.assert_close(csr.gather_values(2 * weight), 2 * csr.values)
+
+
+@pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
+@pytest.mark.parametrize(
+    ("shape", "sparsity"),
+    [((3, 3), 0.5), ((1, 1), 0.0), ((5, 0), 0.5), ((0, 4), 0.5), ((37, 9), 1.0),
+     ((100, 1000), 0.999), ((3, 700), 0.2), ((260, 130), 0.6)],
+)  # fmt: skip
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_builder_equals_torch_builder(
+    shape: tuple[int, int], sparsity: float, threads: int
+) -> None:
+    weight, mask = torch.randn(shape), _mask(shape, sparsity, seed=8)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native = CSRWeight.from_dense(weight, mask, compiled=True)
+    finally:
+        torch.set_num_threads(previous)
+    reference = CSRWeight.from_dense(weight, mask, compiled=False)
+    for field in ("crow_indices", "col_indices", "values", "flat_indices", "t_crow_indices",
+                  "t_col_indices", "t_perm"):  # fmt: skip
+        expected = getattr(reference, field)
+        assert getattr(native, field).dtype == expected.dtype
+        assert torch.equal(getattr(native, field), expected), field
 
 
 @pytest.mark.parametrize(

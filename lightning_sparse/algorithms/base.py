@@ -543,7 +543,15 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
     # ------------------------------------------------------------------ Lightning glue
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Sparsify the LightningModule (once)."""
+        """Sparsify the LightningModule (once).
+
+        Under ``ModelParallelStrategy`` (FSDP2), ``configure_model`` shards the parameters after
+        this hook, so sparsity is applied at fit start instead, to the sharded parameters.
+        """
+        if not _shards_in_configure_model(trainer):
+            self._apply_once(pl_module)
+
+    def _apply_once(self, pl_module: pl.LightningModule) -> None:
         if self._root is None:
             self.apply(pl_module)
         elif self._root is not pl_module:
@@ -551,6 +559,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the optimizers from ``configure_optimizers`` sparse; the callback drives updates."""
+        self._apply_once(pl_module)
         self.autoupdate = False
         self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
         for stale in [o for o in self._optimizers if all(o is not t for t in trainer.optimizers)]:
@@ -596,6 +605,12 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"
+
+
+def _shards_in_configure_model(trainer: pl.Trainer) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(trainer.strategy, ModelParallelStrategy)
 
 
 def zero_pruned_(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

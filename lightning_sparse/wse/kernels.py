@@ -348,66 +348,76 @@ int64_t csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int 
   return crow[M];
 }
 
-// Given crow: col and flat (= i * K + j) in CSR order, then the transposed structure by a stable
-// counting sort on the column: t_crow [K + 1], t_col (row of W) and t_perm (CSR position) in CSC
-// order. Each thread owns a contiguous band of rows and its own per-column cursors, so the sort is
-// parallel and still stable.
+// Given crow: col and flat (= i * K + j) in CSR order, then the transposed structure: t_crow
+// [K + 1], t_col (row of W) and t_perm (CSR position) in CSC order, rows ascending per column.
 int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
              int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
   threads = std::max(1, threads);
-  Buffer hbuf(sizeof(int32_t) * K * threads);
-  if (!hbuf.ptr) return 1;
+  Buffer hbuf(sizeof(int32_t) * K * threads), rbuf(sizeof(int32_t) * M * threads);
+  if (!hbuf.ptr || !rbuf.ptr) return 1;
   int32_t* hist = static_cast<int32_t*>(hbuf.ptr);
+  constexpr int64_t kCols = 64;   // columns per CSC block: 2 x 64 write streams stay in L1
+  constexpr int64_t kBand = 128;  // rows per band: the band's CSR indices stay in L2
 #pragma omp parallel num_threads(threads)
   {
     const int team = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t i0 = M * me / team, i1 = M * (me + 1) / team;
-    int32_t* cursor = hist + K * me;
-    std::memset(cursor, 0, sizeof(int32_t) * K);
-    for (int64_t i = i0; i < i1; ++i) {
+    int32_t* counts = hist + K * me;
+    std::memset(counts, 0, sizeof(int32_t) * K);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
       const uint8_t* row = mask + i * K;
       int32_t p = crow[i];
+      const auto emit = [&](int64_t j) {
+        col[p] = static_cast<int32_t>(j);
+        flat[p++] = static_cast<int32_t>(i * K + j);
+        ++counts[j];
+      };
       int64_t j = 0;
-      for (; j + 8 <= K; j += 8) {
-        for (uint32_t bits = byte_bits(row + j); bits != 0; bits &= bits - 1) {
-          const int32_t c = static_cast<int32_t>(j + __builtin_ctz(bits));
-          col[p] = c;
-          flat[p++] = static_cast<int32_t>(i * K + c);
-          ++cursor[c];
-        }
+      for (; j + 64 <= K; j += 64) {  // one unpredictable loop exit per 64 columns
+        uint64_t bits = 0;
+        for (int b = 0; b < 8; ++b) bits |= static_cast<uint64_t>(byte_bits(row + j + 8 * b)) << (8 * b);
+        for (; bits != 0; bits &= bits - 1) emit(j + __builtin_ctzll(bits));
       }
-      for (; j < K; ++j) {
-        if (row[j]) {
-          col[p] = static_cast<int32_t>(j);
-          flat[p++] = static_cast<int32_t>(i * K + j);
-          ++cursor[j];
-        }
-      }
-    }
-#pragma omp barrier
+      for (; j < K; ++j)
+        if (row[j]) emit(j);
+    }  // implicit barrier: all column counts are in
 #pragma omp single
     {
-      int32_t start = 0;  // turn per-thread column counts into per-thread write cursors
+      int32_t start = 0;
       for (int64_t j = 0; j < K; ++j) {
         t_crow[j] = start;
-        for (int t = 0; t < team; ++t) {
-          const int32_t count = hist[K * t + j];
-          hist[K * t + j] = start;
-          start += count;
-        }
+        for (int t = 0; t < team; ++t) start += hist[K * t + j];
       }
       t_crow[K] = start;
-    }
-    for (int64_t i = i0; i < i1; ++i) {
-      for (int32_t p = crow[i]; p < crow[i + 1]; ++p) {
-        const int32_t d = cursor[col[p]]++;
-        t_col[d] = static_cast<int32_t>(i);
-        t_perm[d] = p;
+    }  // implicit barrier: t_crow is complete
+    // Each thread owns a contiguous range of column blocks, so its CSC output ranges are private.
+    const int64_t blocks = (K + kCols - 1) / kCols;
+    const int64_t c0 = std::min(K, blocks * me / team * kCols);
+    const int64_t c1 = std::min(K, blocks * (me + 1) / team * kCols);
+    int32_t* next = static_cast<int32_t*>(rbuf.ptr) + M * me;  // per-row CSR read cursor
+    for (int64_t i = 0; i < M; ++i)
+      next[i] = static_cast<int32_t>(std::lower_bound(col + crow[i], col + crow[i + 1], c0) - col);
+    int32_t* cursor = counts;  // reused as the CSC write cursor of each of this thread's columns
+    for (int64_t j = c0; j < c1; ++j) cursor[j] = t_crow[j];
+    for (int64_t i0 = 0; i0 < M; i0 += kBand) {
+      const int64_t i1 = std::min(i0 + kBand, M);
+      for (int64_t cb = c0; cb < c1; cb += kCols) {
+        const int32_t ce = static_cast<int32_t>(std::min(cb + kCols, c1));
+        for (int64_t i = i0; i < i1; ++i) {
+          int32_t p = next[i];
+          for (const int32_t end = crow[i + 1]; p < end && col[p] < ce; ++p) {
+            const int32_t d = cursor[col[p]]++;
+            t_col[d] = static_cast<int32_t>(i);
+            t_perm[d] = p;
+          }
+          next[i] = p;
+        }
       }
     }
   }
   return 0;
 }
+
 }  // namespace
 
 extern "C" {

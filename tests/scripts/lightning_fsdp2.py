@@ -61,11 +61,22 @@ class Module(pl.LightningModule):
 
 def run(out: Path, distributed: bool) -> None:
     torch.set_num_threads(1)
-    callback = RigL(sparsity=float(os.environ.get("SPARSITY", "0.75")), update={"freq": 2},
-                    drop_fraction=0.5, param_filter="*weight")
+    callback = RigL(
+        sparsity=float(os.environ.get("SPARSITY", "0.75")),
+        update={"freq": 2},
+        drop_fraction=0.5,
+        param_filter="*weight",
+    )
     module = Module(shard=distributed)
-    kwargs = dict(accelerator="cpu", max_steps=STEPS, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+    kwargs = dict(
+        accelerator="cpu",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
     if distributed:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         trainer = pl.Trainer(devices=2, strategy=strategy, **kwargs)
@@ -79,8 +90,10 @@ def run(out: Path, distributed: bool) -> None:
         for k, v in module.state_dict().items()
     }
     sharded = {n: type(sp.mask).__name__ for n, sp in callback.sparse_params.items()}
-    torch.save({"state": state, "sharded": sharded, "step": callback.step},
-               out / f"rank{trainer.global_rank}.pt" if distributed else out / "single.pt")
+    torch.save(
+        {"state": state, "sharded": sharded, "step": callback.step},
+        out / f"rank{trainer.global_rank}.pt" if distributed else out / "single.pt",
+    )
 
 
 if __name__ == "__main__":

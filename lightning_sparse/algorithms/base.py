@@ -37,6 +37,7 @@ from lightning_sparse.filters import (
 )
 from lightning_sparse.init_methods import make_init_method
 from lightning_sparse.rng import generator_for
+from lightning_sparse.shapers import Shaper, Unstructured
 from lightning_sparse.sharding import full, shard_like
 from lightning_sparse.sparse_parameter import SparseParameter, mask_buffer_name
 
@@ -83,6 +84,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
         erk_power_scale: exponent on the ER/ERK raw scores (1.0 in the paper).
         track_itop: keep a bool "ever active" tensor per parameter for the ITOP rate (Liu et al.
             2021, "Do we actually need dense over-parameterization?", arXiv:2102.02887).
+        shaper: sparsity structure, orthogonal to the algorithm: ``Unstructured()`` (default),
+            ``OutputGroups(n)`` / ``InputGroups(n)`` (balanced blocks), ``NM(n, m)`` (e.g. 2:4),
+            ``Blocks(h, w)``.
     """
 
     _instance_counts: dict[str, int] = {}
@@ -95,8 +99,10 @@ class SparsityAlgorithm(pl.Callback, ABC):
         distribution: str = "uniform",
         erk_power_scale: float = 1.0,
         track_itop: bool = True,
+        shaper: Shaper | None = None,
     ) -> None:
         self.init_method = make_init_method(init_method)
+        self.shaper = shaper if shaper is not None else Unstructured()
         self.distribution = make_distribution(distribution)
         self.distribution_name = distribution
         self.erk_power_scale = float(erk_power_scale)
@@ -113,6 +119,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self.step = 0
         self.autoupdate = True
         self.check_finite = False
+        self.lightning_driven = False
         self._root: nn.Module | None = None
         self._optimizers: list[torch.optim.Optimizer] = []
         self._param_handles: list[RemovableHandle] = []
@@ -158,11 +165,13 @@ class SparsityAlgorithm(pl.Callback, ABC):
         """Mask at ``apply`` time: ``init_method`` at the step-0 target sparsity."""
         generator = generator_for(self.seed, 0, name, param.device)
         dense = full(param.detach())
-        mask = self.init_method(dense, self.target_sparsity(name, 0), generator=generator)
+        target = self.target_sparsity(name, 0)
+        mask = self.init_method(dense, target, generator=generator, shaper=self.shaper)
         return shard_like(mask, param)
 
     def validate_param(self, name: str, param: torch.Tensor) -> None:
         """Raise before anything is modified if ``param`` cannot be sparsified by this algorithm."""
+        self.shaper.check(param.shape, name)
         validate_sparsity(self.target_sparsity(name, 0), name)
 
     # ------------------------------------------------------------------ apply
@@ -310,7 +319,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
         ]
-        self._sync_optimizer(optimizer, force=True)
+        self.sync_optimizer(optimizer, force=True)
 
     def detach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Remove this algorithm's hooks from ``optimizer`` (e.g. one a new fit replaced)."""
@@ -326,9 +335,13 @@ class SparsityAlgorithm(pl.Callback, ABC):
         return [sp for sp in self.sparse_params.values() if id(sp.param) in ids]
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.lightning_driven:
+            # Lightning passes its closure (forward + backward) to optimizer.step, so this hook
+            # runs before the last backward; on_before_optimizer_step does this work instead.
+            return
         if self.autoupdate:
             self.update(optimizer)
-        self._sync_optimizer(optimizer)
+        self.sync_optimizer(optimizer)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if optimizer is self._optimizers[0]:
@@ -340,7 +353,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         if len(optimizer.state) != self._optimizer_state_len.get(id(optimizer)):
             self._prune_optimizer_state(optimizer, sps)  # states created lazily by this step
 
-    def _sync_optimizer(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
+    def sync_optimizer(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
         """Prune gradients and optimizer state if masks changed (or state was loaded) since last."""
         key = id(optimizer)
         stale_state = len(optimizer.state) != self._optimizer_state_len.get(key)
@@ -560,7 +573,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the optimizers from ``configure_optimizers`` sparse; the callback drives updates."""
         self._apply_once(pl_module)
-        self.autoupdate = False
+        self.lightning_driven = True
         self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
         for stale in [o for o in self._optimizers if all(o is not t for t in trainer.optimizers)]:
             self.detach_optimizer(stale)  # a previous fit's optimizer
@@ -571,8 +584,10 @@ class SparsityAlgorithm(pl.Callback, ABC):
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """Gradients are fully accumulated (and all-reduced) here: update the masks."""
+        """Gradients are fully accumulated (and all-reduced) here: update the masks, then prune
+        gradients and optimizer state with them before the step."""
         self.update(optimizer)
+        self.sync_optimizer(optimizer)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any

@@ -25,7 +25,7 @@ from lightning_sparse.schedules import (
     make_hyperparam_schedule,
     make_update_schedule,
 )
-from lightning_sparse.shapers import Shaper, Unstructured
+from lightning_sparse.shapers import Shaper
 from lightning_sparse.sharding import full, is_sharded, shard_like
 
 __all__ = ["DynamicSparsityAlgorithm"]
@@ -64,7 +64,6 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
             validate_sparsity(sparsity)
         self.sparsity = make_hyperparam_schedule(sparsity)
         self.update_schedule = make_update_schedule(update)
-        self.shaper = shaper if shaper is not None else Unstructured()
         super().__init__(
             init_method=init_method,
             param_filter=param_filter,
@@ -72,6 +71,7 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
             distribution=distribution,
             erk_power_scale=erk_power_scale,
             track_itop=track_itop,
+            shaper=shaper,
         )
         self.starts_sparse = bool(self.update_schedule(0))
         self._names: dict[int, str] = {}

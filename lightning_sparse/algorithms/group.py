@@ -96,6 +96,23 @@ class Group(SparsityAlgorithm):
             algorithm[1].autoupdate = value
 
     @property
+    def lightning_driven(self) -> bool:  # type: ignore[override]
+        """Set by the Lightning glue: the callback, not the step pre-hook, updates and prunes."""
+        return self._lightning_driven
+
+    @lightning_driven.setter
+    def lightning_driven(self, value: bool) -> None:
+        self._lightning_driven = value
+        for algorithm in getattr(self, "_members", []):
+            algorithm[1].lightning_driven = value
+
+    def sync_optimizer(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
+        """Every member prunes its gradients and optimizer state if its masks changed."""
+        for algorithm in self:
+            if any(o is optimizer for o in algorithm._optimizers):
+                algorithm.sync_optimizer(optimizer, force)
+
+    @property
     def check_finite(self) -> bool:  # type: ignore[override]
         """Check gradients for inf/NaN before updating (set by the Lightning glue under AMP)."""
         return self._check_finite

@@ -14,6 +14,7 @@ import torch
 from lightning_sparse.algorithms.base import Candidate, SparsityAlgorithm, validate_sparsity
 from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.filters import ParamFilter
+from lightning_sparse.shapers import Shaper
 from lightning_sparse.sharding import full, shard_like
 
 __all__ = ["Static"]
@@ -31,7 +32,7 @@ class Static(SparsityAlgorithm):
         seed: seeds the random mask through ``(seed, 0, parameter name)``.
         distribution: ``uniform``, ``er``, ``erk`` (see ``SparsityAlgorithm``) or ``global``:
             one magnitude ranking over all selected parameters (init_method is then unused).
-        erk_power_scale: see ``SparsityAlgorithm``.
+        erk_power_scale, shaper: see ``SparsityAlgorithm``.
 
     Raises:
         TypeError / ValueError: for a sparsity that is not a float in [0, 1).
@@ -45,6 +46,7 @@ class Static(SparsityAlgorithm):
         seed: int = 0,
         distribution: str = "uniform",
         erk_power_scale: float = 1.0,
+        shaper: Shaper | None = None,
     ) -> None:
         self.sparsity = validate_sparsity(sparsity)
         self.global_ranking = distribution == "global"
@@ -55,6 +57,7 @@ class Static(SparsityAlgorithm):
             distribution="uniform" if self.global_ranking else distribution,
             erk_power_scale=erk_power_scale,
             track_itop=False,
+            shaper=shaper,
         )
 
     def target_sparsity(self, name: str, step: int) -> float:

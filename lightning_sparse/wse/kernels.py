@@ -70,6 +70,7 @@ _CPP_SOURCE = r"""
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include <omp.h>
 
@@ -141,188 +142,259 @@ struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
   Buffer& operator=(const Buffer&) = delete;
 };
 
-constexpr int64_t kRowBlock = 16;  // output rows per scheduling unit (one cache line of floats)
+constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line of floats)
 constexpr int64_t kColBlock = 32;  // features per transpose work item
+// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
+// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
+// its gradient tile row by row, so only its X tile counts.
+constexpr int64_t kTileBudget = 512 << 10;
+constexpr int64_t kMinTokensPerThread = 32;
 
-// One thread for small problems: a parallel region costs a few microseconds, and when the cores
-// are oversubscribed a descheduled team member stalls every barrier for a whole time slice.
+// One thread for small problems: a parallel region costs microseconds, and when the cores are
+// oversubscribed a descheduled team member stalls the team for a whole time slice.
 inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
   const int64_t work = (nnz + features) * std::max<int64_t>(N, 1);
   return work < (int64_t{1} << 18) ? 1 : std::max(threads, 1);
+}
+
+// Largest vectors-per-tile (1, 2, 4 or 8) whose transposed tile of `features` rows fits the budget.
+template <typename S>
+int max_vectors(int64_t features) {
+  int nv = 8;
+  while (nv > 1 && static_cast<int64_t>(sizeof(S)) * features * nv * kLanes<S> > kTileBudget) nv /= 2;
+  return nv;
+}
+
+// Smallest power of two vectors covering tn tokens, at most cap: a short last tile stays cheap.
+template <typename S>
+int vectors_for(int64_t tn, int cap) {
+  int nv = 1;
+  while (nv < cap && nv * kLanes<S> < tn) nv *= 2;
+  return nv;
+}
+
+// Calls f(std::integral_constant<int, NV>) for the runtime nv in {1, 2, 4, 8}.
+template <typename F>
+inline auto with_vectors(int nv, F&& f) {
+  switch (nv) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
 }
 
 // dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
 // the kernels always run full-width vectors.
 template <typename S, int T>
 inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1, S* dst) {
-  for (int64_t t = 0; t < tn; ++t) {
-    const S* s = src + (n0 + t) * ld;
-    for (int64_t k = k0; k < k1; ++k) dst[k * T + t] = s[k];
+  for (int64_t kb = k0; kb < k1; kb += kColBlock) {
+    const int64_t ke = std::min(kb + kColBlock, k1);
+    for (int64_t t = 0; t < tn; ++t) {
+      const S* s = src + (n0 + t) * ld;
+      for (int64_t k = kb; k < ke; ++k) dst[k * T + t] = s[k];
+    }
+    for (int64_t k = kb; k < ke; ++k)
+      for (int64_t t = tn; t < T; ++t) dst[k * T + t] = S(0);
   }
-  for (int64_t k = k0; k < k1; ++k)
-    for (int64_t t = tn; t < T; ++t) dst[k * T + t] = S(0);
 }
 
-// Y [N, M] = X [N, K] @ S^T (+ bias [M] if not null) for S [M, K] in CSR (crow, col, val).
+// --- Y [N, M] = X [N, K] @ S^T (+ bias) for S [M, K] in CSR (crow, col, val) ---------------------
+
+// Rows [i0, i1) of the output tile of tokens [n0, n0 + tn), from the transposed input tile xt.
 template <typename S, int NV>
-void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
-          int64_t N, int64_t K, int64_t M, S* Y, int threads) {
+void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* bias, const S* xt,
+               int64_t i0, int64_t i1, int64_t n0, int64_t tn, int64_t M, S* Y) {
   constexpr int L = kLanes<S>;
   constexpr int T = NV * L;
-  Buffer xbuf(sizeof(S) * K * T);
-  S* xt = static_cast<S*>(xbuf.ptr);
-  threads = threads_for(crow[M], N, K + M, threads);
-#pragma omp parallel num_threads(threads)
-  {
-    alignas(64) S block[kRowBlock * T];
-    for (int64_t n0 = 0; n0 < N; n0 += T) {
-      const int64_t tn = std::min<int64_t>(T, N - n0);
-#pragma omp for schedule(static)
-      for (int64_t kb = 0; kb < K; kb += kColBlock)
-        transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t ib = 0; ib < M; ib += kRowBlock) {
-        const int64_t ie = std::min(ib + kRowBlock, M);
-        for (int64_t i = ib; i < ie; ++i) {
-          // U sets of accumulators keep 8 independent FMA chains in flight even for short tiles.
-          constexpr int U = NV >= 8 ? 1 : 8 / NV;
-          Vec<S> acc[U][NV];
-          for (int u = 0; u < U; ++u)
-            for (int v = 0; v < NV; ++v) acc[u][v] = Vec<S>{};
-          int32_t k = crow[i];
-          const int32_t end = crow[i + 1];
-          for (; k + U <= end; k += U) {
-            for (int u = 0; u < U; ++u) {
-              const Vec<S> w = Vec<S>{} + val[k + u];
-              const S* xr = xt + static_cast<int64_t>(col[k + u]) * T;
-              for (int v = 0; v < NV; ++v) acc[u][v] += w * load<S>(xr + v * L);
-            }
-          }
-          for (; k < end; ++k) {
-            const Vec<S> w = Vec<S>{} + val[k];
-            const S* xr = xt + static_cast<int64_t>(col[k]) * T;
-            for (int v = 0; v < NV; ++v) acc[0][v] += w * load<S>(xr + v * L);
-          }
-          const Vec<S> b = Vec<S>{} + (bias != nullptr ? bias[i] : S(0));
-          for (int v = 0; v < NV; ++v) {
-            for (int u = 1; u < U; ++u) acc[0][v] += acc[u][v];
-            store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
-          }
-        }
-        for (int64_t t = 0; t < tn; ++t) {
-          S* yr = Y + (n0 + t) * M + ib;
-          for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
+  constexpr int U = NV >= 8 ? 1 : 8 / NV;  // accumulator sets: 8 independent FMA chains in flight
+  alignas(64) S block[kRowBlock * T];
+  for (int64_t ib = i0; ib < i1; ib += kRowBlock) {
+    const int64_t ie = std::min(ib + kRowBlock, i1);
+    for (int64_t i = ib; i < ie; ++i) {
+      Vec<S> acc[U][NV];
+      for (int u = 0; u < U; ++u)
+        for (int v = 0; v < NV; ++v) acc[u][v] = Vec<S>{};
+      int32_t k = crow[i];
+      const int32_t end = crow[i + 1];
+      for (; k + U <= end; k += U) {
+        for (int u = 0; u < U; ++u) {
+          const Vec<S> w = Vec<S>{} + val[k + u];
+          const S* xr = xt + static_cast<int64_t>(col[k + u]) * T;
+          for (int v = 0; v < NV; ++v) acc[u][v] += w * load<S>(xr + v * L);
         }
       }
+      for (; k < end; ++k) {
+        const Vec<S> w = Vec<S>{} + val[k];
+        const S* xr = xt + static_cast<int64_t>(col[k]) * T;
+        for (int v = 0; v < NV; ++v) acc[0][v] += w * load<S>(xr + v * L);
+      }
+      const Vec<S> b = Vec<S>{} + (bias != nullptr ? bias[i] : S(0));
+      for (int v = 0; v < NV; ++v) {
+        for (int u = 1; u < U; ++u) acc[0][v] += acc[u][v];
+        store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
+      }
+    }
+    for (int64_t t = 0; t < tn; ++t) {  // back to token-major, one cache line per token
+      S* yr = Y + (n0 + t) * M + ib;
+      for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
     }
   }
 }
 
-// D [M, K] = (G^T @ X) at the kept positions of the CSR pattern (crow, col), zero elsewhere,
-// for G [N, M] and X [N, K]: one dot product over tokens per kept weight.
-template <typename S, int NV>
-int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
-          int64_t M, S* D, int threads) {
-  constexpr int L = kLanes<S>;
-  constexpr int T = NV * L;
-  const int64_t nnz = crow[M];
-  Buffer gbuf(sizeof(S) * M * T), xbuf(sizeof(S) * K * T), vbuf(sizeof(S) * nnz);
-  if (!gbuf.ptr || !xbuf.ptr || !vbuf.ptr) return 1;
-  S* gt = static_cast<S*>(gbuf.ptr);
-  S* xt = static_cast<S*>(xbuf.ptr);
-  S* vals = static_cast<S*>(vbuf.ptr);
-  threads = threads_for(nnz, N, K + M, threads);
+template <typename S>
+void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
+          int64_t N, int64_t K, int64_t M, S* Y, int threads) {
+  const int cap = max_vectors<S>(K);
+  const int64_t T_cap = cap * kLanes<S>;
+  threads = threads_for(crow[M], N, K + M, threads);
+  if (threads == 1 || N >= threads * kMinTokensPerThread) {
+    // Token-parallel: each thread owns a contiguous token range and a private tile, no barriers.
 #pragma omp parallel num_threads(threads)
-  {
+    {
+      const int team = omp_get_num_threads(), me = omp_get_thread_num();
+      const int64_t a = N * me / team, b = N * (me + 1) / team;
+      Buffer xbuf(sizeof(S) * K * T_cap);
+      S* xt = static_cast<S*>(xbuf.ptr);
+      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
+        const int64_t tn = std::min(T_cap, b - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+          spmm_rows<S, decltype(nv)::value>(crow, col, val, bias, xt, 0, M, n0, tn, M, Y);
+        });
+      }
+    }
+    return;
+  }
+  // Few tokens: threads share each tile and split its rows (two barriers per tile).
+  Buffer xbuf(sizeof(S) * K * T_cap);
+  S* xt = static_cast<S*>(xbuf.ptr);
+#pragma omp parallel num_threads(threads)
+  for (int64_t n0 = 0; n0 < N; n0 += T_cap) {
+    const int64_t tn = std::min(T_cap, N - n0);
+    with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+      constexpr int T = decltype(nv)::value * kLanes<S>;
 #pragma omp for schedule(static)
-    for (int64_t k = 0; k < nnz; ++k) vals[k] = S(0);
-    for (int64_t n0 = 0; n0 < N; n0 += T) {
-      const int64_t tn = std::min<int64_t>(T, N - n0);
-#pragma omp for schedule(static) nowait
       for (int64_t kb = 0; kb < K; kb += kColBlock)
         transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
-#pragma omp for schedule(static)
-      for (int64_t mb = 0; mb < M; mb += kColBlock)
-        transpose_tile<S, T>(G, M, n0, tn, mb, std::min(mb + kColBlock, M), gt);
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t ib = 0; ib < M; ib += kRowBlock) {
-        const int64_t ie = std::min(ib + kRowBlock, M);
-        for (int64_t i = ib; i < ie; ++i) {
-          Vec<S> g[NV];
-          for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
-          int32_t k = crow[i];
-          const int32_t end = crow[i + 1];
-          // Four dot products at a time: four independent FMA chains sharing the loads of g.
-          for (; k + 4 <= end; k += 4) {
-            const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
-            const S* x1 = xt + static_cast<int64_t>(col[k + 1]) * T;
-            const S* x2 = xt + static_cast<int64_t>(col[k + 2]) * T;
-            const S* x3 = xt + static_cast<int64_t>(col[k + 3]) * T;
-            Vec<S> a0{}, a1{}, a2{}, a3{};
-            for (int v = 0; v < NV; ++v) {
-              a0 += g[v] * load<S>(x0 + v * L);
-              a1 += g[v] * load<S>(x1 + v * L);
-              a2 += g[v] * load<S>(x2 + v * L);
-              a3 += g[v] * load<S>(x3 + v * L);
-            }
-            reduce4<S>(a0, a1, a2, a3, vals + k);
-          }
-          for (; k < end; ++k) {
-            const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
-            Vec<S> a0{};
-            for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
-            vals[k] += horizontal_sum<S>(a0);
-          }
-        }
+      for (int64_t ib = 0; ib < M; ib += kRowBlock)
+        spmm_rows<S, decltype(nv)::value>(crow, col, val, bias, xt, ib, std::min(ib + kRowBlock, M),
+                                          n0, tn, M, Y);
+    });
+  }
+}
+
+// --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
+
+// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1).
+template <typename S, int NV>
+void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* xt, int64_t i0,
+                int64_t i1, S* vals) {
+  constexpr int L = kLanes<S>;
+  constexpr int T = NV * L;
+  for (int64_t i = i0; i < i1; ++i) {
+    Vec<S> g[NV];
+    for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
+    int32_t k = crow[i];
+    const int32_t end = crow[i + 1];
+    // Four dot products at a time: four independent FMA chains sharing g, one shared reduction.
+    for (; k + 4 <= end; k += 4) {
+      const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+      const S* x1 = xt + static_cast<int64_t>(col[k + 1]) * T;
+      const S* x2 = xt + static_cast<int64_t>(col[k + 2]) * T;
+      const S* x3 = xt + static_cast<int64_t>(col[k + 3]) * T;
+      Vec<S> a0{}, a1{}, a2{}, a3{};
+      for (int v = 0; v < NV; ++v) {
+        a0 += g[v] * load<S>(x0 + v * L);
+        a1 += g[v] * load<S>(x1 + v * L);
+        a2 += g[v] * load<S>(x2 + v * L);
+        a3 += g[v] * load<S>(x3 + v * L);
+      }
+      reduce4<S>(a0, a1, a2, a3, vals + k);
+    }
+    for (; k < end; ++k) {
+      const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+      Vec<S> a0{};
+      for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
+      vals[k] += horizontal_sum<S>(a0);
+    }
+  }
+}
+
+template <typename S>
+int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
+          int64_t M, S* D, int threads) {
+  const int cap = max_vectors<S>(K);
+  const int64_t T_cap = cap * kLanes<S>;
+  const int64_t nnz = crow[M];
+  threads = threads_for(nnz, N, K + M, threads);
+  const bool token_parallel = threads == 1 || N >= threads * kMinTokensPerThread;
+  // Token-parallel threads each sum their own tokens into a private copy of the values.
+  Buffer vbuf(sizeof(S) * nnz * (token_parallel ? threads : 1));
+  Buffer gshared(token_parallel ? 0 : sizeof(S) * M * T_cap);
+  Buffer xshared(token_parallel ? 0 : sizeof(S) * K * T_cap);
+  if (!vbuf.ptr || !gshared.ptr || !xshared.ptr) return 1;
+  S* partial = static_cast<S*>(vbuf.ptr);
+  int team = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    if (token_parallel) {
+      const int me = omp_get_thread_num();
+#pragma omp single
+      team = omp_get_num_threads();
+      const int64_t a = N * me / team, b = N * (me + 1) / team;
+      S* vals = partial + nnz * me;
+      std::memset(vals, 0, sizeof(S) * nnz);
+      Buffer gbuf(sizeof(S) * M * T_cap), xbuf(sizeof(S) * K * T_cap);
+      S* gt = static_cast<S*>(gbuf.ptr);
+      S* xt = static_cast<S*>(xbuf.ptr);
+      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
+        const int64_t tn = std::min(T_cap, b - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+          transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
+          sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+        });
+      }
+#pragma omp barrier
+    } else {
+      S* gt = static_cast<S*>(gshared.ptr);
+      S* xt = static_cast<S*>(xshared.ptr);
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < nnz; ++k) partial[k] = S(0);
+      for (int64_t n0 = 0; n0 < N; n0 += T_cap) {
+        const int64_t tn = std::min(T_cap, N - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+#pragma omp for schedule(static) nowait
+          for (int64_t kb = 0; kb < K; kb += kColBlock)
+            transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(static)
+          for (int64_t mb = 0; mb < M; mb += kColBlock)
+            transpose_tile<S, T>(G, M, n0, tn, mb, std::min(mb + kColBlock, M), gt);
+#pragma omp for schedule(dynamic, 1)
+          for (int64_t ib = 0; ib < M; ib += kRowBlock)
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, ib, std::min(ib + kRowBlock, M),
+                                               partial);
+        });
       }
     }
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       S* row = D + i * K;
       std::memset(row, 0, sizeof(S) * K);
-      for (int32_t k = crow[i]; k < crow[i + 1]; ++k) row[col[k]] = vals[k];
+      for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
+        S sum = partial[k];
+        for (int t = 1; t < team; ++t) sum += partial[nnz * t + k];
+        row[col[k]] = sum;
+      }
     }
   }
   return 0;
 }
-
-// Vectors per token tile: enough for N tokens (up to 8), shrunk until the transposed tile(s) of
-// `features` rows fit `budget` bytes (about the L2 cache).
-template <typename S>
-int vectors_per_tile(int64_t N, int64_t features, int64_t budget) {
-  int nv = 1;
-  while (nv < 8 && nv * kLanes<S> < N) nv *= 2;
-  while (nv > 1 && static_cast<int64_t>(sizeof(S)) * features * nv * kLanes<S> > budget) nv /= 2;
-  return nv;
-}
-
-// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
-// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
-// the gradient tile row by row, so only its X tile counts.
-constexpr int64_t kTileBudget = 512 << 10;
-
-template <typename S>
-void spmm_dispatch(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
-                   int64_t N, int64_t K, int64_t M, S* Y, int threads) {
-  switch (vectors_per_tile<S>(N, K, kTileBudget)) {
-    case 1: return spmm<S, 1>(crow, col, val, X, bias, N, K, M, Y, threads);
-    case 2: return spmm<S, 2>(crow, col, val, X, bias, N, K, M, Y, threads);
-    case 4: return spmm<S, 4>(crow, col, val, X, bias, N, K, M, Y, threads);
-    default: return spmm<S, 8>(crow, col, val, X, bias, N, K, M, Y, threads);
-  }
-}
-
-template <typename S>
-int sddmm_dispatch(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N,
-                   int64_t K, int64_t M, S* D, int threads) {
-  switch (vectors_per_tile<S>(N, K, kTileBudget)) {
-    case 1: return sddmm<S, 1>(crow, col, G, X, N, K, M, D, threads);
-    case 2: return sddmm<S, 2>(crow, col, G, X, N, K, M, D, threads);
-    case 4: return sddmm<S, 4>(crow, col, G, X, N, K, M, D, threads);
-    default: return sddmm<S, 8>(crow, col, G, X, N, K, M, D, threads);
-  }
-}
-
 
 // --- CSR structure of a bool mask ---------------------------------------------------------------
 
@@ -430,19 +502,19 @@ int ls_csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, 
 }
 void ls_spmm_f32(const int32_t* crow, const int32_t* col, const float* val, const float* X,
                  const float* bias, int64_t N, int64_t K, int64_t M, float* Y, int threads) {
-  spmm_dispatch<float>(crow, col, val, X, bias, N, K, M, Y, threads);
+  spmm<float>(crow, col, val, X, bias, N, K, M, Y, threads);
 }
 void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, const double* X,
                  const double* bias, int64_t N, int64_t K, int64_t M, double* Y, int threads) {
-  spmm_dispatch<double>(crow, col, val, X, bias, N, K, M, Y, threads);
+  spmm<double>(crow, col, val, X, bias, N, K, M, Y, threads);
 }
 int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
                  int64_t N, int64_t K, int64_t M, float* D, int threads) {
-  return sddmm_dispatch<float>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<float>(crow, col, G, X, N, K, M, D, threads);
 }
 int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
                  int64_t N, int64_t K, int64_t M, double* D, int threads) {
-  return sddmm_dispatch<double>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<double>(crow, col, G, X, N, K, M, D, threads);
 }
 }
 """

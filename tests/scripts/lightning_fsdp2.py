@@ -6,6 +6,7 @@ state dict, whether the masks are sharded, and the callback's step.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -15,8 +16,6 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sparse import RigL
-
-import os
 
 STEPS = int(os.environ.get("STEPS", "4"))
 

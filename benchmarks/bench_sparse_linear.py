@@ -42,7 +42,7 @@ def _step_fn(path: str | None, x, weight, bias, csr, grad_y) -> Callable[[], Non
 
 def _interleaved_medians(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for name, fn in fns.items():  # warm-up: allocator, thread pool, autotuning
+    for fn in fns.values():  # warm-up: allocator, thread pool, caches
         fn()
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -90,18 +90,24 @@ class PlainRun:
         after_step: Callable[[], None] | None = None,
     ) -> None:
         self.model, self.optimizer, self.after_step = model, optimizer, after_step
+        self.phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer
 
     def step(self, batch: torch.Tensor) -> float:
         start = time.perf_counter()
-        # 1. forward and backward (a sparse variant's grad hooks run during backward)
+        # 1. forward
         loss = lm_loss(self.model, batch)
+        forward = time.perf_counter()
+        # 2. backward (a sparse variant's post-accumulate-grad hooks run here)
         loss.backward()
-        # 2. optimizer step (Static's step pre/post hooks run here), then clear gradients
+        backward = time.perf_counter()
+        # 3. optimizer step (Static's step pre/post hooks run here), then clear gradients
         self.optimizer.step()
         if self.after_step is not None:
             self.after_step()
         self.optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - start
+        end = time.perf_counter()
+        self.phases.append((forward - start, backward - forward, end - backward))
+        return end - start
 
     def close(self) -> None:
         pass

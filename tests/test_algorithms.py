@@ -13,8 +13,8 @@
 7. A user-defined algorithm in a few lines, as a callback and through ``configure``.
 
 Semantics used throughout: with ``update={"freq": f}`` masks change in ``update()`` when
-``step > 0 and step % f == 0``; the drop count is ``int(drop_fraction * n_target)`` with
-``n_target = int((1 - s) * n)`` per shaper row.
+``step > 0 and step % f == 0``; as in Cerebras, ``int((1 - drop_fraction) * active)`` of a
+row's active weights survive the drop and the row regrows to ``n_target = int((1 - s) * n)``.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def masks_of(sparsity: SparsityAlgorithm) -> dict[str, torch.Tensor]:
 
 
 # The weight and mask shared by the SET / RigL hand cases: 5 of 8 active, target s = 0.375
-# (n_target = int(0.625 * 8) = 5), drop_fraction 0.4 (n_drop = int(0.4 * 5) = 2). The two
+# (n_target = int(0.625 * 8) = 5), drop_fraction 0.4 (5 - int(0.6 * 5) = 2 dropped). The two
 # smallest active |w| are at index 1 (0.1) and 4 (0.3), so {0, 2, 7} survive the drop.
 W8 = [[0.9, -0.1, 0.5, 0.0, 0.3, 0.0, 0.0, -0.7]]
 M8 = as_mask([[1, 1, 1, 0, 1, 0, 0, 1]])
@@ -209,7 +209,7 @@ def test_rigl_balanced_groups_hand_case() -> None:
     w = [[0.9, -0.1, 0.0, 0.0], [0.0, 0.3, 0.0, -0.7]]
     mask = as_mask([[1, 1, 0, 0], [0, 1, 0, 1]])
     grad = [[0, 0, 1, 0.5], [9, 0, 8, 0]]
-    # Per row: n_target = 2, n_drop = int(0.5 * 2) = 1: drop 0.1 / 0.3, grow by |grad| in-row.
+    # Per row: n_target = 2, 2 - int(0.5 * 2) = 1 dropped: 0.1 / 0.3, grow by |grad| in-row.
     balanced = RigL(
         0.5,
         update={"freq": 1},
@@ -229,7 +229,7 @@ def test_rigl_balanced_groups_hand_case() -> None:
 @pytest.mark.parametrize(
     ("drop_fraction", "expected"),
     [
-        # Surplus 2 plus int(0.5 * 4) = 2 dropped by |w| -> {0, 7}; grow 2 by |grad| -> 6, 3.
+        # Surplus 2 plus 4 - int(0.5 * 4) = 2 dropped by |w| -> {0, 7}; grow 2 by |grad| -> 6, 3.
         (0.5, {0, 7, 6, 3}),
         # Only the surplus goes: pure magnitude pruning to the target, top-4 |w| of the active.
         (0.0, {0, 7, 2, 4}),
@@ -263,8 +263,8 @@ def reference_rigl(
 ) -> torch.Tensor:
     """RigL's update (Evci et al. 2020, Algorithm 1) per balance group, with plain sorts.
 
-    Per row of ``reshape(groups, -1)``: keep the ``active - n_drop`` active weights of largest
-    |w|, then grow ``n_target - kept`` connections of largest |grad| among all positions not
+    Per row of ``reshape(groups, -1)``: keep the ``int((1 - d) * active)`` active weights of
+    largest |w| (Cerebras' count), then grow ``n_target - kept`` connections of largest |grad| among all positions not
     kept (a just-dropped one included). Ties go to the lower index.
     """
     w_rows, g_rows, m_rows = (t.reshape(groups, -1).tolist() for t in (w, grad, mask))
@@ -272,9 +272,8 @@ def reference_rigl(
     for wr, gr, mr in zip(w_rows, g_rows, m_rows, strict=True):
         n = len(wr)
         n_target = int((1.0 - sparsity) * n)
-        n_drop = int(drop_fraction * n_target)
         active = sorted((i for i in range(n) if mr[i]), key=lambda i: (-abs(wr[i]), i))
-        kept = active[: max(len(active) - n_drop, 0)]
+        kept = active[: int((1.0 - drop_fraction) * len(active))]
         candidates = sorted((i for i in range(n) if i not in kept), key=lambda i: (-abs(gr[i]), i))
         chosen = set(kept) | set(candidates[: max(n_target - len(kept), 0)])
         out.append([i in chosen for i in range(n)])
@@ -814,7 +813,8 @@ def test_set_update_hook_counts_and_itop_grow_monotonically() -> None:
         assert set(stats) == set(sparsity.sparse_params)
         for name, s in stats.items():
             n = sparsity.sparse_params[name].mask.numel()
-            n_drop = int(drop * int(0.25 * n))
+            n_target = int(0.25 * n)
+            n_drop = n_target - int((1 - drop) * n_target)
             # A connection dropped and regrown at once counts in neither (net change).
             assert int(s["dropped"]) == int(s["grown"]) <= n_drop, f"step {step} {name}"
             assert float(s["sparsity"]) == pytest.approx(1 - int(0.25 * n) / n)

@@ -157,7 +157,7 @@ def test_matches_masked_dense(path: str, case: str) -> None:
     tolerance = {"atol": 1e-4, "rtol": 1e-4}
     assert y.shape == y_ref.shape
     torch.testing.assert_close(y, y_ref.float(), **tolerance)
-    for grad, ref_grad in zip(grads, ref_grads):
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref_grad.float(), **tolerance)
     assert not grads[1][~mask].any(), "weight gradient must be exactly zero where pruned"
 
@@ -174,9 +174,7 @@ def test_gradcheck_float64(path: str) -> None:
         torch.randn(5, 6, dtype=torch.float64, generator=generator, requires_grad=True),
         torch.randn(5, dtype=torch.float64, generator=generator, requires_grad=True),
     )
-    assert torch.autograd.gradcheck(
-        lambda x, w, b: sparse_linear(x, w, csr, b, path=path), inputs
-    )
+    assert torch.autograd.gradcheck(lambda x, w, b: sparse_linear(x, w, csr, b, path=path), inputs)
 
 
 @pytest.mark.parametrize("path", SPARSE_PATHS)

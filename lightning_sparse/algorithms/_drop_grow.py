@@ -19,6 +19,12 @@ def shaped_drop_and_grow(
 ) -> torch.Tensor:
     """Drop ``drop_fraction`` of the active weights by ``|p|``, regrow by ``grow_score``.
 
+    Counts follow Cerebras (``cstorch.sparse`` RigL/SET): of ``a`` active weights in a row,
+    ``int((1 - d) * a)`` survive the drop and the row grows back up to its target
+    ``int((1 - s) * n)``; a row still denser than its target (a dense start) only shrinks.
+    With ``prune_to_target`` (GraNet) the surplus above the target is pruned first and the drop
+    fraction applies to the target count.
+
     Args:
         shaper: maps ``[*shape]`` tensors to ``[groups, n]`` rows that compete independently.
         p: weight, any shape. grow_score: same shape, higher = grow first.
@@ -33,9 +39,14 @@ def shaped_drop_and_grow(
     """
     w2d, g2d, m2d = shaper.shape(p.abs()), shaper.shape(grow_score), shaper.shape(mask)
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
-    n_drop = int(min(max(drop_fraction, 0.0), 1.0) * n_total)
-    if prune_to_target:
-        surplus = (m2d.sum(-1) - n_total).clamp(min=0)
-        n_drop = surplus + n_drop
+    keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
+    counts = m2d.sum(-1)
+    low, high = (int(c) for c in counts.aminmax())  # one host sync per parameter per update
+    if low == high:  # the usual case: ints keep top-k on its fast path
+        base = min(low, n_total) if prune_to_target else low
+        n_drop: int | torch.Tensor = low - int(keep_share * base)
+    else:
+        base_t = counts.clamp(max=n_total) if prune_to_target else counts
+        n_drop = counts - torch.floor(base_t.double() * keep_share).long()
     new = drop_and_grow(w2d, g2d, m2d, n_drop, n_total)
     return shaper.unshape(new, p.shape)

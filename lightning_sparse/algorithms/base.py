@@ -133,6 +133,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._layer_cache: dict[float, dict[str, float]] = {}
         self.ever_active: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, dict[str, torch.Tensor]] = {}
+        self._unlogged_update = False
         self._update_hooks: OrderedDict[int, Callable[..., None]] = OrderedDict()
         self._target_hooks: OrderedDict[int, SparsityHook] = OrderedDict()
         self._computed_hooks: OrderedDict[int, SparsityHook] = OrderedDict()
@@ -403,6 +404,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
                     stats[name]["itop"] = ever / mask.numel()
                 stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
         self.last_update = stats
+        self._unlogged_update = True
         self._mask_version += 1
         self._mask_step = self.step
         self._emit_sparsity_hooks()
@@ -592,17 +594,18 @@ class SparsityAlgorithm(pl.Callback, ABC):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
-        """Log target and actual sparsity through the module's logger."""
+        """Log target and actual sparsity, and each mask update's figures once, at the first
+        logging step after it (so keep ``log_every_n_steps`` <= the update interval)."""
         if not self.sparse_params or trainer.global_step % max(trainer.log_every_n_steps, 1):
             return
         target, actual = self.overall_sparsity()
         several = sum(isinstance(c, SparsityAlgorithm) for c in trainer.callbacks) > 1
         prefix = f"sparsity/{self.name}" if several else "sparsity"
         metrics = {f"{prefix}/target": target, f"{prefix}/actual": actual.float()}
-        updates = self.update_metrics()
-        if updates:
-            metrics.update({f"{prefix}/{k}": v for k, v in updates.items()})
+        if self._unlogged_update:
+            metrics.update({f"{prefix}/{k}": v for k, v in self.update_metrics().items()})
             metrics[f"{prefix}/itop"] = self.itop_rate()
+            self._unlogged_update = False
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
     def update_metrics(self) -> dict[str, torch.Tensor]:

@@ -232,6 +232,39 @@ class Group(SparsityAlgorithm):
         actual = sum(a * s for ((_, a), _), s in zip(parts, sizes, strict=True)) / total
         return target, actual
 
+    @property
+    def _unlogged_update(self) -> bool:
+        return any(a._unlogged_update for a in self._members_list())
+
+    @_unlogged_update.setter
+    def _unlogged_update(self, value: bool) -> None:
+        for algorithm in self._members_list():
+            algorithm._unlogged_update = value
+
+    @property
+    def last_update(self) -> dict:  # type: ignore[override]
+        """The members' last update figures, merged by parameter name."""
+        merged: dict = {}
+        for algorithm in self._members_list():
+            merged.update(algorithm.last_update)
+        return merged
+
+    @last_update.setter
+    def last_update(self, value: dict) -> None:  # base __init__ assigns an empty dict
+        pass
+
+    @property
+    def ever_active(self) -> dict:  # type: ignore[override]
+        """The members' "ever active" tensors (ITOP), merged by parameter name."""
+        merged: dict = {}
+        for algorithm in self._members_list():
+            merged.update(algorithm.ever_active)
+        return merged
+
+    @ever_active.setter
+    def ever_active(self, value: dict) -> None:  # base __init__ assigns an empty dict
+        pass
+
     def state_dict(self) -> dict[str, Any]:
         """``{"groups": [member state, ...]}``."""
         return {"groups": [a.state_dict() for a in self]}

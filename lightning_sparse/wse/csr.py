@@ -134,7 +134,7 @@ class CSRWeight:
         return dense.view(self.shape)
 
     def to_torch_csr(self, values: Tensor | None = None, transposed: bool = False) -> Tensor:
-        """PyTorch sparse CSR tensor of `W` (or of `W^T` with `transposed=True`), sharing indices."""
+        """PyTorch sparse CSR tensor of `W` (or `W^T` with `transposed=True`), sharing indices."""
         values = self.values if values is None else values
         if transposed:
             return torch.sparse_csr_tensor(

@@ -33,7 +33,6 @@ import math
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import tempfile
 import time
@@ -56,11 +55,423 @@ PATH_ENV = "LIGHTNING_SPARSE_WSE_PATH"
 _AUTOTUNE_REPEATS = 5
 _AUTOTUNE_CACHE: dict[tuple, str] = {}
 
-# --- Native kernels ------------------------------------------------------------------------------
+# Native library settings (see the last section).
 COMPILE_ENV = "LIGHTNING_SPARSE_WSE_COMPILE"
 """Set to "0" to never build or load the native library (the "compiled" path is then absent)."""
 CACHE_ENV = "LIGHTNING_SPARSE_CACHE_DIR"
 """Directory for the built library; default `$XDG_CACHE_HOME/lightning_sparse` or `~/.cache/...`."""
+
+
+def sparse_linear(
+    x: Tensor,
+    weight: Tensor,
+    mask_or_csr: Tensor | CSRWeight,
+    bias: Tensor | None = None,
+    *,
+    path: str | None = None,
+) -> Tensor:
+    """Masked linear layer `F.linear(x, weight * mask, bias)` executed in CSR.
+
+    Args:
+        x: input `[..., in]`.
+        weight: dense weight `[out, in]` (the live parameter; values are gathered each call).
+        mask_or_csr: bool mask `[out, in]` (True = kept; converted on every call) or a prebuilt
+            `CSRWeight` (reuse it until the mask changes).
+        bias: optional `[out]`.
+        path: "compiled", "torch", "dense" or "auto"; None follows `LIGHTNING_SPARSE_WSE_PATH`.
+
+    Returns:
+        `[..., out]`. Gradients w.r.t. `x`, `weight` (dense, zero where pruned) and `bias` equal
+        those of masked dense training.
+
+    Raises:
+        ValueError: on mismatched shapes, dtypes or devices, or an unusable forced path.
+    """
+    csr = (
+        mask_or_csr
+        if isinstance(mask_or_csr, CSRWeight)
+        else CSRWeight.from_dense(weight, mask_or_csr)
+    )
+    _check_inputs(x, weight, csr, bias)
+    requires_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    chosen = resolve_path(x, weight, csr, path, requires_grad)
+    return _run_path(chosen, x, weight, csr, bias)
+
+
+def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:
+    if tuple(weight.shape) != csr.shape:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} != CSRWeight shape {csr.shape}; rebuild the "
+            "CSRWeight with CSRWeight.from_dense(weight, mask)"
+        )
+    if x.dim() == 0 or x.shape[-1] != csr.shape[1]:
+        raise ValueError(f"x must be [..., {csr.shape[1]}], got shape {tuple(x.shape)}")
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        bias_dtype = None if bias is None else bias.dtype
+        raise ValueError(
+            f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, {bias_dtype}"
+        )
+    if not x.device == weight.device == csr.device:
+        raise ValueError(
+            f"x, weight and CSRWeight must share a device, got {x.device}, {weight.device}, "
+            f"{csr.device}"
+        )
+    if bias is not None and tuple(bias.shape) != (csr.shape[0],):
+        raise ValueError(f"bias must be [{csr.shape[0]}], got shape {tuple(bias.shape)}")
+
+
+# --- Path selection -------------------------------------------------------------------------------
+def _unsupported_reason(path: str, x: Tensor) -> str | None:
+    """Why `path` cannot run on `x` (None when it can)."""
+    if path == "compiled":
+        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+            return (
+                f"the compiled kernels need CPU float32/float64 tensors, got {x.device} {x.dtype}"
+            )
+        return native_unavailable_reason()
+    if path == "torch" and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
+        return f"PyTorch's CPU CSR kernels need float32/float64 tensors, got {x.dtype}"
+    return None
+
+
+def _requested_path(path: str | None) -> str:
+    requested = path if path is not None else os.environ.get(PATH_ENV, "auto")
+    if requested != "auto" and requested not in PATHS:
+        source = "path argument" if path is not None else f"{PATH_ENV} environment variable"
+        raise ValueError(f"{source} must be 'auto' or one of {PATHS}, got {requested!r}")
+    return requested
+
+
+def resolve_path(
+    x: Tensor, weight: Tensor, csr: CSRWeight, path: str | None = None, requires_grad: bool = True
+) -> str:
+    """The concrete path ("compiled", "torch" or "dense") a `sparse_linear` call would take.
+
+    Args:
+        x: input `[..., in]`.
+        weight: dense weight `[out, in]`.
+        csr: structure of the mask.
+        path: forced path, or "auto"/None to follow `LIGHTNING_SPARSE_WSE_PATH` (default "auto").
+        requires_grad: whether the call will be differentiated (auto-tuning times fwd+bwd then).
+
+    Returns:
+        The path. "auto" measures the candidates on first use of a key and caches the winner.
+
+    Raises:
+        ValueError: if the path name is unknown or a forced path cannot run on these tensors.
+    """
+    requested = _requested_path(path)
+    if requested != "auto":
+        reason = _unsupported_reason(requested, x)
+        if reason is not None:
+            raise ValueError(f"path {requested!r} cannot run here: {reason}")
+        return requested
+    tokens = x.numel() // max(x.shape[-1], 1)
+    key = _autotune_key(x, csr, tokens, requires_grad)
+    if key not in _AUTOTUNE_CACHE:
+        candidates = [p for p in PATHS if _unsupported_reason(p, x) is None]
+        _AUTOTUNE_CACHE[key] = _autotune(candidates, x, weight, csr, key[-2], requires_grad)
+    return _AUTOTUNE_CACHE[key]
+
+
+def _autotune_key(x: Tensor, csr: CSRWeight, tokens: int, requires_grad: bool) -> tuple:
+    # Quarter-octave density buckets and power-of-two token buckets: a GMP schedule or a short
+    # last batch reuses the choice instead of re-measuring.
+    density = max(1.0 - csr.sparsity, 1e-9)
+    density_bucket = round(4 * math.log2(density))
+    token_bucket = 1 << max(tokens - 1, 0).bit_length()
+    return (x.device.type, x.dtype, csr.shape, density_bucket, token_bucket, requires_grad)
+
+
+def _autotune(
+    candidates: list[str],
+    x: Tensor,
+    weight: Tensor,
+    csr: CSRWeight,
+    tokens: int,
+    requires_grad: bool,
+) -> str:
+    """Fastest candidate on synthetic data of the real shapes and structure.
+
+    Candidates run interleaved; each is scored by its best repeat, the least disturbed by other
+    processes, which estimates its intrinsic cost better than the median on a shared machine.
+    """
+    if len(candidates) == 1:
+        return candidates[0]
+    generator = torch.Generator(device=x.device).manual_seed(0)
+    kwargs = {"device": x.device, "dtype": x.dtype, "generator": generator}
+    xs = torch.randn(tokens, csr.shape[1], **kwargs).requires_grad_(requires_grad)
+    ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
+    times: dict[str, list[float]] = {p: [] for p in candidates}
+    for repeat in range(_AUTOTUNE_REPEATS + 1):
+        for p in candidates:
+            elapsed = _time_once(p, xs, ws, csr, requires_grad)
+            if repeat:  # the first round is warm-up (allocator, caches, thread pool)
+                times[p].append(elapsed)
+    return min(candidates, key=lambda p: min(times[p]))
+
+
+def _time_once(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool) -> float:
+    x.grad = weight.grad = None
+    _synchronize(x.device)
+    start = time.perf_counter()
+    with torch.set_grad_enabled(backward):
+        y = _run_path(path, x, weight, csr, None)
+        if backward:
+            y.sum().backward()
+    _synchronize(x.device)
+    return time.perf_counter() - start
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def clear_autotune_cache() -> None:
+    """Forgets every "auto" choice, e.g. after changing `torch.set_num_threads`."""
+    _AUTOTUNE_CACHE.clear()
+
+
+def autotune_choices() -> dict[tuple, str]:
+    """A copy of the "auto" choices made so far, keyed by (device, dtype, shape, density bucket,
+    token bucket, grad)."""
+    return dict(_AUTOTUNE_CACHE)
+
+
+# --- Autograd -------------------------------------------------------------------------------------
+class _SparseLinearFunction(torch.autograd.Function):
+    """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
+    ) -> Tensor:
+        x2 = x2.contiguous()
+        values = csr.gather_values(weight.detach())
+        bias = None if bias is None else bias.detach().contiguous()
+        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
+        # `values` is a fresh gather, so later in-place updates of `weight` cannot corrupt backward.
+        ctx.save_for_backward(x2, values)
+        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        return y2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
+        x2, values = ctx.saved_tensors
+        csr, backend = ctx.csr, ctx.backend
+        grad_y2 = grad_y2.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            t_values = values.index_select(0, csr.t_perm)
+            grad_x = backend.matmul(
+                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1], None
+            )
+        if ctx.needs_input_grad[1]:
+            grad_w = backend.sampled_grad(csr, grad_y2, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y2.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
+    if path == "dense":
+        return F.linear(x, weight * csr.mask, bias)
+    out_features, in_features = csr.shape
+    y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
+    return y2.reshape(*x.shape[:-1], out_features)
+
+
+# --- Backends -------------------------------------------------------------------------------------
+class _Backend(NamedTuple):
+    # matmul(crow, col, values, x2 [N, K], rows, bias) -> x2 @ S^T (+ bias) [N, rows] for
+    # S [rows, K] in CSR.
+    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
+    # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
+    sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
+
+
+def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta" is noise for our callers
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+def _torch_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
+    sparse = _torch_csr(crow, col, values, (rows, x2.shape[1]))
+    out = torch.sparse.mm(sparse, x2.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
+    values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
+    return csr.to_dense(values)
+
+
+def _compiled_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
+    out = x2.new_empty(x2.shape[0], rows)
+    _native_spmm(crow, col, values, x2, bias, out)
+    return out
+
+
+def _compiled_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    dense = x2.new_empty(csr.shape)
+    _native_sddmm(csr.crow_indices, csr.col_indices, grad_y2, x2, dense)
+    return dense
+
+
+_BACKENDS = {
+    "torch": _Backend(_torch_matmul, _torch_sampled_grad),
+    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad),
+}
+
+
+# --- Native library: build, load, call ------------------------------------------------------------
+_CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=native")
+
+
+@functools.cache
+def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
+    """(library, None) once built and loaded, else (None, reason). Built at most once a process."""
+    if os.environ.get(COMPILE_ENV, "1") == "0":
+        return None, f"disabled by {COMPILE_ENV}=0"
+    try:
+        lib = ctypes.CDLL(str(_build_native()))
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"building the native kernels failed: {error}"
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.ls_csr_count.argtypes = [pointer, size, size, pointer, ctypes.c_int]
+    lib.ls_csr_count.restype = size
+    lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [ctypes.c_int]
+    lib.ls_csr_fill.restype = ctypes.c_int
+    for suffix in ("f32", "f64"):
+        spmm = getattr(lib, f"ls_spmm_{suffix}")
+        spmm.argtypes = [pointer] * 5 + [size] * 3 + [pointer, ctypes.c_int]
+        spmm.restype = None
+        sddmm = getattr(lib, f"ls_sddmm_{suffix}")
+        sddmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
+        sddmm.restype = ctypes.c_int
+    return lib, None
+
+
+def native_unavailable_reason() -> str | None:
+    """Why the "compiled" path is unavailable (None when it is available); builds on first call."""
+    return _native_library()[1]
+
+
+def compiled_available() -> bool:
+    """Whether the native kernels are built and loaded (builds them on first call)."""
+    return _native_library()[0] is not None
+
+
+def _build_native() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise OSError("no C++ compiler found; install g++ or set CXX")
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    # -march=native code is only valid on this CPU, so the CPU is part of the cache key.
+    fingerprint = "\0".join([_CPP_SOURCE, compiler, version, *_CXX_FLAGS, _cpu_signature()])
+    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"wse_kernels_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source, built = Path(tmp) / "wse_kernels.cpp", Path(tmp) / target.name
+        source.write_text(_CPP_SOURCE)
+        result = subprocess.run(
+            [compiler, *_CXX_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True
+        )
+        if result.returncode != 0:
+            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr[-2000:]}")
+        # Atomic rename: concurrent builders (DDP ranks, test workers) never load a partial file.
+        os.replace(built, target)
+    return target
+
+
+def _cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_sparse"
+
+
+def _cpu_signature() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(
+        sorted({line for line in lines if line.split(":")[0].strip() in wanted})
+    )
+
+
+def _native_function(name: str, dtype: torch.dtype) -> Callable[..., int | None]:
+    lib, reason = _native_library()
+    if lib is None:
+        raise RuntimeError(f"the compiled path is unavailable: {reason}")
+    return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
+
+
+def native_csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """CSR structure of a CPU bool mask `[M, K]` by the native builder.
+
+    Returns:
+        int32 `(crow [M+1], col [nnz], flat [nnz], t_crow [K+1], t_col [nnz], t_perm [nnz])` as
+        documented on `CSRWeight`.
+
+    Raises:
+        RuntimeError: if the native library is unavailable.
+    """
+    lib, reason = _native_library()
+    if lib is None:
+        raise RuntimeError(f"the compiled path is unavailable: {reason}")
+    mask = mask.contiguous()
+    rows, cols = mask.shape
+    threads = torch.get_num_threads()
+    crow = torch.empty(rows + 1, dtype=torch.int32)
+    nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
+    col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
+    t_crow = torch.empty(cols + 1, dtype=torch.int32)
+    status = lib.ls_csr_fill(
+        mask.data_ptr(), rows, cols, crow.data_ptr(), col.data_ptr(), flat.data_ptr(),
+        t_crow.data_ptr(), t_col.data_ptr(), t_perm.data_ptr(), threads,
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native CSR builder could not allocate its work buffer")
+    return crow, col, flat, t_crow, t_col, t_perm
+
+
+def _native_spmm(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
+) -> None:
+    # out [N, M] = x2 [N, K] @ S^T (+ bias) for S [M, K] in CSR; all contiguous on the CPU.
+    _native_function("ls_spmm", x2.dtype)(
+        crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+
+
+def _native_sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
+    # out [M, K] = (grad_y2^T @ x2) at kept positions, zero elsewhere.
+    status = _native_function("ls_sddmm", x2.dtype)(
+        crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
+        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native SDDMM kernel could not allocate its work buffers")
+
 
 # Tokens are the vector dimension: each kernel transposes a tile of T tokens of its token-major
 # input into a feature-major buffer (row j = T contiguous tokens), so every kept weight costs T/L
@@ -84,12 +495,20 @@ _CPP_SOURCE = r"""
 namespace {
 
 template <typename S> struct VecOf;
-template <> struct VecOf<float> { typedef float type __attribute__((vector_size(LS_VECTOR_BYTES))); };
-template <> struct VecOf<double> { typedef double type __attribute__((vector_size(LS_VECTOR_BYTES))); };
+template <> struct VecOf<float> {
+  typedef float type __attribute__((vector_size(LS_VECTOR_BYTES)));
+};
+template <> struct VecOf<double> {
+  typedef double type __attribute__((vector_size(LS_VECTOR_BYTES)));
+};
 template <typename S> using Vec = typename VecOf<S>::type;
 template <typename S> constexpr int kLanes = LS_VECTOR_BYTES / sizeof(S);
 
-template <typename S> inline Vec<S> load(const S* p) { Vec<S> v; std::memcpy(&v, p, sizeof v); return v; }
+template <typename S> inline Vec<S> load(const S* p) {
+  Vec<S> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
 template <typename S> inline void store(S* p, Vec<S> v) { std::memcpy(p, &v, sizeof v); }
 template <typename S> inline S horizontal_sum(Vec<S> v) {
   S s = 0;
@@ -102,14 +521,25 @@ template <typename S>
 inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
   if constexpr (kLanes<S> == 16) {
-    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                       __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-                       __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-                     __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    const Vec<S> t = s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    const Vec<S> u = t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    // Halves of (a0, a1) and of (a2, a3) added: 8 partial sums of each input.
+    const Vec<S> s01 =
+        __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15,
+                                24, 25, 26, 27, 28, 29, 30, 31);
+    const Vec<S> s23 =
+        __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15,
+                                24, 25, 26, 27, 28, 29, 30, 31);
+    // 4 partial sums of each input, then pairs and neighbours within each group of 4 lanes.
+    const Vec<S> s =
+        __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11,
+                                16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15,
+                                20, 21, 22, 23, 28, 29, 30, 31);
+    const Vec<S> t =
+        s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const Vec<S> u =
+        t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
     out[0] += u[0]; out[1] += u[4]; out[2] += u[8]; out[3] += u[12];
     return;
   } else if constexpr (kLanes<S> == 8) {
@@ -123,9 +553,12 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
     out[0] += u[0]; out[1] += u[2]; out[2] += u[4]; out[3] += u[6];
     return;
   } else if constexpr (kLanes<S> == 4) {
-    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
-    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
-    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) + __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
+    const Vec<S> s01 =
+        __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+    const Vec<S> s23 =
+        __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) +
+                     __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
     out[0] += s[0]; out[1] += s[1]; out[2] += s[2]; out[3] += s[3];
     return;
   }
@@ -136,7 +569,8 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
 
 struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
   void* ptr;
-  explicit Buffer(size_t bytes) : ptr(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {}
+  explicit Buffer(size_t bytes)
+      : ptr(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {}
   ~Buffer() { std::free(ptr); }
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
@@ -161,7 +595,8 @@ inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
 template <typename S>
 int max_vectors(int64_t features) {
   int nv = 8;
-  while (nv > 1 && static_cast<int64_t>(sizeof(S)) * features * nv * kLanes<S> > kTileBudget) nv /= 2;
+  const int64_t bytes_per_vector = static_cast<int64_t>(sizeof(S)) * features * kLanes<S>;
+  while (nv > 1 && bytes_per_vector * nv > kTileBudget) nv /= 2;
   return nv;
 }
 
@@ -187,7 +622,8 @@ inline auto with_vectors(int nv, F&& f) {
 // dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
 // the kernels always run full-width vectors.
 template <typename S, int T>
-inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1, S* dst) {
+inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1,
+                           S* dst) {
   for (int64_t kb = k0; kb < k1; kb += kColBlock) {
     const int64_t ke = std::min(kb + kColBlock, k1);
     for (int64_t t = 0; t < tn; ++t) {
@@ -447,7 +883,8 @@ int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int
       int64_t j = 0;
       for (; j + 64 <= K; j += 64) {  // one unpredictable loop exit per 64 columns
         uint64_t bits = 0;
-        for (int b = 0; b < 8; ++b) bits |= static_cast<uint64_t>(byte_bits(row + j + 8 * b)) << (8 * b);
+        for (int b = 0; b < 8; ++b)
+          bits |= static_cast<uint64_t>(byte_bits(row + j + 8 * b)) << (8 * b);
         for (; bits != 0; bits &= bits - 1) emit(j + __builtin_ctzll(bits));
       }
       for (; j < K; ++j)
@@ -518,405 +955,3 @@ int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const
 }
 }
 """
-
-_CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=native")
-
-
-@functools.cache
-def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
-    """(library, None) once built and loaded, else (None, reason). Built at most once a process."""
-    if os.environ.get(COMPILE_ENV, "1") == "0":
-        return None, f"disabled by {COMPILE_ENV}=0"
-    try:
-        lib = ctypes.CDLL(str(_build_native()))
-    except (OSError, subprocess.SubprocessError) as error:
-        return None, f"building the native kernels failed: {error}"
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.ls_csr_count.argtypes = [pointer, size, size, pointer, ctypes.c_int]
-    lib.ls_csr_count.restype = size
-    lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [ctypes.c_int]
-    lib.ls_csr_fill.restype = ctypes.c_int
-    for suffix in ("f32", "f64"):
-        spmm = getattr(lib, f"ls_spmm_{suffix}")
-        spmm.argtypes = [pointer] * 5 + [size] * 3 + [pointer, ctypes.c_int]
-        spmm.restype = None
-        sddmm = getattr(lib, f"ls_sddmm_{suffix}")
-        sddmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
-        sddmm.restype = ctypes.c_int
-    return lib, None
-
-
-def native_unavailable_reason() -> str | None:
-    """Why the "compiled" path is unavailable (None when it is available); builds on first call."""
-    return _native_library()[1]
-
-
-def compiled_available() -> bool:
-    """Whether the native kernels are built and loaded (builds them on first call)."""
-    return _native_library()[0] is not None
-
-
-def _build_native() -> Path:
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise OSError("no C++ compiler found; install g++ or set CXX")
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=True
-    ).stdout
-    # -march=native code is only valid on this CPU, so the CPU is part of the cache key.
-    fingerprint = "\0".join([_CPP_SOURCE, compiler, version, *_CXX_FLAGS, _cpu_signature()])
-    key = hashlib.sha256(fingerprint.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"wse_kernels_{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        source, built = Path(tmp) / "wse_kernels.cpp", Path(tmp) / target.name
-        source.write_text(_CPP_SOURCE)
-        result = subprocess.run(
-            [compiler, *_CXX_FLAGS, str(source), "-o", str(built)], capture_output=True, text=True
-        )
-        if result.returncode != 0:
-            raise OSError(f"{compiler} exited with {result.returncode}: {result.stderr[-2000:]}")
-        # Atomic rename: concurrent builders (DDP ranks, test workers) never load a partial file.
-        os.replace(built, target)
-    return target
-
-
-def _cache_dir() -> Path:
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lightning_sparse"
-
-
-def _cpu_signature() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.machine() + platform.processor()
-    wanted = ("model name", "flags", "Features", "CPU part")
-    return platform.machine() + "".join(
-        sorted({line for line in lines if line.split(":")[0].strip() in wanted})
-    )
-
-
-def _native_function(name: str, dtype: torch.dtype) -> Callable[..., int | None]:
-    lib, reason = _native_library()
-    if lib is None:
-        raise RuntimeError(f"the compiled path is unavailable: {reason}")
-    return getattr(lib, f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
-
-
-def native_csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """CSR structure of a CPU bool mask `[M, K]` by the native builder.
-
-    Returns:
-        int32 `(crow [M+1], col [nnz], flat [nnz], t_crow [K+1], t_col [nnz], t_perm [nnz])` as
-        documented on `CSRWeight`.
-
-    Raises:
-        RuntimeError: if the native library is unavailable.
-    """
-    lib, reason = _native_library()
-    if lib is None:
-        raise RuntimeError(f"the compiled path is unavailable: {reason}")
-    mask = mask.contiguous()
-    rows, cols = mask.shape
-    threads = torch.get_num_threads()
-    crow = torch.empty(rows + 1, dtype=torch.int32)
-    nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
-    col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
-    t_crow = torch.empty(cols + 1, dtype=torch.int32)
-    status = lib.ls_csr_fill(
-        mask.data_ptr(), rows, cols, crow.data_ptr(), col.data_ptr(), flat.data_ptr(),
-        t_crow.data_ptr(), t_col.data_ptr(), t_perm.data_ptr(), threads,
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("the native CSR builder could not allocate its work buffer")
-    return crow, col, flat, t_crow, t_col, t_perm
-
-
-def _native_spmm(
-    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
-) -> None:
-    # out [N, M] = x2 [N, K] @ S^T (+ bias) for S [M, K] in CSR; all contiguous on the CPU.
-    _native_function("ls_spmm", x2.dtype)(
-        crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
-        None if bias is None else bias.data_ptr(),
-        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-
-
-def _native_sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
-    # out [M, K] = (grad_y2^T @ x2) at kept positions, zero elsewhere.
-    status = _native_function("ls_sddmm", x2.dtype)(
-        crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
-        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("the native SDDMM kernel could not allocate its work buffers")
-
-
-class _Backend(NamedTuple):
-    # matmul(crow, col, values, x2 [N, K], rows, bias) -> x2 @ S^T (+ bias) [N, rows] for
-    # S [rows, K] in CSR.
-    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
-    # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
-    sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
-
-
-def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
-    with warnings.catch_warnings():  # "sparse CSR support is in beta" is noise for our callers
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
-
-
-def _torch_matmul(
-    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
-) -> Tensor:
-    sparse = _torch_csr(crow, col, values, (rows, x2.shape[1]))
-    out = torch.sparse.mm(sparse, x2.t()).t().contiguous()
-    return out if bias is None else out.add_(bias)
-
-
-def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
-    pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
-    values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
-    return csr.to_dense(values)
-
-
-def _compiled_matmul(
-    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
-) -> Tensor:
-    out = x2.new_empty(x2.shape[0], rows)
-    _native_spmm(crow, col, values, x2, bias, out)
-    return out
-
-
-def _compiled_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
-    dense = x2.new_empty(csr.shape)
-    _native_sddmm(csr.crow_indices, csr.col_indices, grad_y2, x2, dense)
-    return dense
-
-
-_BACKENDS = {
-    "torch": _Backend(_torch_matmul, _torch_sampled_grad),
-    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad),
-}
-
-
-class _SparseLinearFunction(torch.autograd.Function):
-    """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
-    ) -> Tensor:
-        x2 = x2.contiguous()
-        values = csr.gather_values(weight.detach())
-        bias = None if bias is None else bias.detach().contiguous()
-        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
-        # `values` is a fresh gather, so later in-place updates of `weight` cannot corrupt backward.
-        ctx.save_for_backward(x2, values)
-        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
-        return y2
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
-        x2, values = ctx.saved_tensors
-        csr, backend = ctx.csr, ctx.backend
-        grad_y2 = grad_y2.contiguous()
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            t_values = values.index_select(0, csr.t_perm)
-            grad_x = backend.matmul(
-                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1], None
-            )
-        if ctx.needs_input_grad[1]:
-            grad_w = backend.sampled_grad(csr, grad_y2, x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y2.sum(0)
-        return grad_x, grad_w, grad_b, None, None
-
-
-def _run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
-    if path == "dense":
-        return F.linear(x, weight * csr.mask, bias)
-    out_features, in_features = csr.shape
-    y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
-    return y2.reshape(*x.shape[:-1], out_features)
-
-
-def _unsupported_reason(path: str, x: Tensor) -> str | None:
-    """Why `path` cannot run on `x` (None when it can)."""
-    if path == "compiled":
-        if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-            return (
-                f"the compiled kernels need CPU float32/float64 tensors, got {x.device} {x.dtype}"
-            )
-        return native_unavailable_reason()
-    if path == "torch" and x.device.type == "cpu" and x.dtype not in (torch.float32, torch.float64):
-        return f"PyTorch's CPU CSR kernels need float32/float64 tensors, got {x.dtype}"
-    return None
-
-
-def _requested_path(path: str | None) -> str:
-    requested = path if path is not None else os.environ.get(PATH_ENV, "auto")
-    if requested != "auto" and requested not in PATHS:
-        source = "path argument" if path is not None else f"{PATH_ENV} environment variable"
-        raise ValueError(f"{source} must be 'auto' or one of {PATHS}, got {requested!r}")
-    return requested
-
-
-def resolve_path(
-    x: Tensor, weight: Tensor, csr: CSRWeight, path: str | None = None, requires_grad: bool = True
-) -> str:
-    """The concrete path ("compiled", "torch" or "dense") a `sparse_linear` call would take.
-
-    Args:
-        x: input `[..., in]`.
-        weight: dense weight `[out, in]`.
-        csr: structure of the mask.
-        path: forced path, or "auto"/None to follow `LIGHTNING_SPARSE_WSE_PATH` (default "auto").
-        requires_grad: whether the call will be differentiated (auto-tuning times fwd+bwd then).
-
-    Returns:
-        The path. "auto" measures the candidates on first use of a key and caches the winner.
-
-    Raises:
-        ValueError: if the path name is unknown or a forced path cannot run on these tensors.
-    """
-    requested = _requested_path(path)
-    if requested != "auto":
-        reason = _unsupported_reason(requested, x)
-        if reason is not None:
-            raise ValueError(f"path {requested!r} cannot run here: {reason}")
-        return requested
-    tokens = x.numel() // max(x.shape[-1], 1)
-    key = _autotune_key(x, csr, tokens, requires_grad)
-    if key not in _AUTOTUNE_CACHE:
-        candidates = [p for p in PATHS if _unsupported_reason(p, x) is None]
-        _AUTOTUNE_CACHE[key] = _autotune(candidates, x, weight, csr, key[-2], requires_grad)
-    return _AUTOTUNE_CACHE[key]
-
-
-def _autotune_key(x: Tensor, csr: CSRWeight, tokens: int, requires_grad: bool) -> tuple:
-    # Quarter-octave density buckets and power-of-two token buckets: a GMP schedule or a short
-    # last batch reuses the choice instead of re-measuring.
-    density = max(1.0 - csr.sparsity, 1e-9)
-    density_bucket = round(4 * math.log2(density))
-    token_bucket = 1 << max(tokens - 1, 0).bit_length()
-    return (x.device.type, x.dtype, csr.shape, density_bucket, token_bucket, requires_grad)
-
-
-def _autotune(
-    candidates: list[str],
-    x: Tensor,
-    weight: Tensor,
-    csr: CSRWeight,
-    tokens: int,
-    requires_grad: bool,
-) -> str:
-    """Fastest candidate on synthetic data of the real shapes and structure (median, interleaved)."""
-    if len(candidates) == 1:
-        return candidates[0]
-    generator = torch.Generator(device=x.device).manual_seed(0)
-    kwargs = {"device": x.device, "dtype": x.dtype, "generator": generator}
-    xs = torch.randn(tokens, csr.shape[1], **kwargs).requires_grad_(requires_grad)
-    ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
-    times: dict[str, list[float]] = {p: [] for p in candidates}
-    for repeat in range(_AUTOTUNE_REPEATS + 1):
-        for p in candidates:
-            elapsed = _time_once(p, xs, ws, csr, requires_grad)
-            if repeat:  # the first round is warm-up (allocator, caches, thread pool)
-                times[p].append(elapsed)
-    return min(candidates, key=lambda p: statistics.median(times[p]))
-
-
-def _time_once(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool) -> float:
-    x.grad = weight.grad = None
-    _synchronize(x.device)
-    start = time.perf_counter()
-    with torch.set_grad_enabled(backward):
-        y = _run_path(path, x, weight, csr, None)
-        if backward:
-            y.sum().backward()
-    _synchronize(x.device)
-    return time.perf_counter() - start
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clear_autotune_cache() -> None:
-    """Forgets every "auto" choice, e.g. after changing `torch.set_num_threads`."""
-    _AUTOTUNE_CACHE.clear()
-
-
-def autotune_choices() -> dict[tuple, str]:
-    """A copy of the "auto" choices made so far, keyed by (device, dtype, shape, density bucket,
-    token bucket, grad)."""
-    return dict(_AUTOTUNE_CACHE)
-
-
-def sparse_linear(
-    x: Tensor,
-    weight: Tensor,
-    mask_or_csr: Tensor | CSRWeight,
-    bias: Tensor | None = None,
-    *,
-    path: str | None = None,
-) -> Tensor:
-    """Masked linear layer `F.linear(x, weight * mask, bias)` executed in CSR.
-
-    Args:
-        x: input `[..., in]`.
-        weight: dense weight `[out, in]` (the live parameter; values are gathered each call).
-        mask_or_csr: bool mask `[out, in]` (True = kept; converted on every call) or a prebuilt
-            `CSRWeight` (reuse it until the mask changes).
-        bias: optional `[out]`.
-        path: "compiled", "torch", "dense" or "auto"; None follows `LIGHTNING_SPARSE_WSE_PATH`.
-
-    Returns:
-        `[..., out]`. Gradients w.r.t. `x`, `weight` (dense, zero where pruned) and `bias` equal
-        those of masked dense training.
-
-    Raises:
-        ValueError: on mismatched shapes, dtypes or devices, or an unusable forced path.
-    """
-    csr = (
-        mask_or_csr
-        if isinstance(mask_or_csr, CSRWeight)
-        else CSRWeight.from_dense(weight, mask_or_csr)
-    )
-    _check_inputs(x, weight, csr, bias)
-    requires_grad = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    chosen = resolve_path(x, weight, csr, path, requires_grad)
-    return _run_path(chosen, x, weight, csr, bias)
-
-
-def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:
-    if tuple(weight.shape) != csr.shape:
-        raise ValueError(
-            f"weight shape {tuple(weight.shape)} != CSRWeight shape {csr.shape}; rebuild the "
-            "CSRWeight with CSRWeight.from_dense(weight, mask)"
-        )
-    if x.dim() == 0 or x.shape[-1] != csr.shape[1]:
-        raise ValueError(f"x must be [..., {csr.shape[1]}], got shape {tuple(x.shape)}")
-    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        bias_dtype = None if bias is None else bias.dtype
-        raise ValueError(
-            f"x, weight and bias must share a dtype, got {x.dtype}, {weight.dtype}, {bias_dtype}"
-        )
-    if not x.device == weight.device == csr.device:
-        raise ValueError(
-            f"x, weight and CSRWeight must share a device, got {x.device}, {weight.device}, "
-            f"{csr.device}"
-        )
-    if bias is not None and tuple(bias.shape) != (csr.shape[0],):
-        raise ValueError(f"bias must be [{csr.shape[0]}], got shape {tuple(bias.shape)}")

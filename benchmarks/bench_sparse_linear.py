@@ -3,8 +3,9 @@
 For each weight shape and sparsity it prints dense_time / sparse_time (higher is better) for our
 native CSR kernels ("compiled"), for PyTorch's stock CSR ops on the same structure ("torch"), and
 the path "auto" picks, plus the cost of rebuilding the CSR structure after a mask change. Dense
-and sparse runs are interleaved in one process and summarised by their median, so background load
-hits every method alike.
+and sparse runs are interleaved in one process and summarised by their median, so a burst of
+background load hits every method, though not equally: on oversubscribed cores every multi-threaded
+kernel stalls whenever one of its threads is descheduled. The load average is printed for context.
 
     python benchmarks/bench_sparse_linear.py [--tokens 512] [--threads 2] [--repeats 15]
 """
@@ -12,6 +13,7 @@ hits every method alike.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -26,7 +28,14 @@ SHAPES = ((1024, 1024), (4096, 1024))
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
 
 
-def _step_fn(path: str | None, x, weight, bias, csr, grad_y) -> Callable[[], None]:
+def _step_fn(
+    path: str | None,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    csr: CSRWeight,
+    grad_y: torch.Tensor,
+) -> Callable[[], None]:
     """One forward+backward; `path=None` is plain dense `F.linear` (the baseline)."""
 
     def step() -> None:
@@ -73,7 +82,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     print(
         f"fp32, {args.tokens} tokens, {torch.get_num_threads()} threads, median of "
-        f"{args.repeats} interleaved repeats; ratio = dense_time / sparse_time (fwd+bwd)"
+        f"{args.repeats} interleaved repeats; ratio = dense_time / sparse_time (fwd+bwd); "
+        f"load average at start {_load()}"
     )
     header = f"{'weight':>10} {'sparsity':>8} {'dense ms':>9} " + " ".join(
         f"{p + ' ms':>11} {p + ' x':>10}" for p in paths
@@ -98,6 +108,11 @@ def main() -> None:
                 f"{out_features:>5}x{in_features:<4} {sparsity:8.0%} {1e3 * medians['dense']:9.2f}"
                 f" {cells} {auto:>10} {_rebuild_ms(weight, mask):10.2f}"
             )
+    print(f"load average at end {_load()}")
+
+
+def _load() -> str:
+    return " ".join(f"{value:.1f}" for value in os.getloadavg())
 
 
 if __name__ == "__main__":

@@ -13,10 +13,11 @@ load hits every variant alike. Each variant reports the median over the timed ro
 4. ``torch.ao``         ``torch.ao.pruning.WeightNormSparsifier`` (unstructured: block (1, 1))
    on the same Linear layers, ``sparsifier.step()`` after every optimizer step; for comparison.
 
-The goal is ``Static / dense <= 1.03`` both in the plain loop and under Lightning. The benchmark
-exits 0 whether or not the goal is met.
+Every variant uses the same optimizer: ``torch.optim.AdamW(params, lr=1e-3)``, PyTorch's default
+implementation, or the fused kernel with ``--fused``. The goal is ``Static / dense <= 1.03`` both
+in the plain loop and under Lightning. The benchmark exits 0 whether or not the goal is met.
 
-    python benchmarks/bench_step_cost.py [--steps 21] [--batch 4] [--seq 128] [--threads 2]
+    python benchmarks/bench_step_cost.py [--steps 21] [--batch 8] [--seq 128] [--threads 2]
     python benchmarks/bench_step_cost.py --quick     # tiny model, a few steps: a smoke run
 """
 
@@ -32,8 +33,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,13 +54,22 @@ from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
 SPARSITY = 0.8
 GOAL = 1.03
 LR = 1e-3
+PHASES = ("forward", "backward", "optimizer")
 
 
-# ---------------------------------------------------------------------- plain PyTorch variants
-def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of batch [B, T + 1] (the loss `LitCausalLM` trains on)."""
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+def adamw(params: Iterable[torch.Tensor], fused: bool) -> torch.optim.AdamW:
+    """The optimizer of every variant: PyTorch's default AdamW, or its fused kernel."""
+    return torch.optim.AdamW(params, lr=LR, **({"fused": True} if fused else {}))
+
+
+def build_model(cfg: LlamaConfig, seed: int) -> Llama:
+    torch.manual_seed(seed)  # same seed, same initial weights in every variant
+    return Llama(cfg)
+
+
+def sparse_names(model: nn.Module) -> list[str]:
+    """Names of the weights `Static` sparsifies by default (the Linear layers of the blocks)."""
+    return [name for name, *_ in Static(sparsity=SPARSITY).select(model)]
 
 
 def zero_fraction(model: nn.Module, names: list[str]) -> float:
@@ -73,6 +84,13 @@ def zero_fraction(model: nn.Module, names: list[str]) -> float:
     return zeros / total
 
 
+def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of batch [B, T + 1], as `LitCausalLM.loss` computes it."""
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
+
+
+# ---------------------------------------------------------------------- plain PyTorch variants
 class PlainRun:
     """A plain training loop; `step(batch)` runs one optimizer step and returns its seconds.
 
@@ -87,20 +105,20 @@ class PlainRun:
         self,
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
-        after_step: Callable[[], None] | None = None,
+        after_step: Callable[[], Any] | None = None,
     ) -> None:
-        self.model, self.optimizer, self.after_step = model, optimizer, after_step
-        self.phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer
+        self.net, self.optimizer, self.after_step = model, optimizer, after_step
+        self.phases: list[tuple[float, float, float]] = []  # seconds per step, as PHASES
 
     def step(self, batch: torch.Tensor) -> float:
         start = time.perf_counter()
         # 1. forward
-        loss = lm_loss(self.model, batch)
+        loss = lm_loss(self.net, batch)
         forward = time.perf_counter()
         # 2. backward (a sparse variant's post-accumulate-grad hooks run here)
         loss.backward()
         backward = time.perf_counter()
-        # 3. optimizer step (Static's step pre/post hooks run here), then clear gradients
+        # 3. optimizer step (Static's step pre/post hooks run inside it), then clear gradients
         self.optimizer.step()
         if self.after_step is not None:
             self.after_step()
@@ -112,45 +130,47 @@ class PlainRun:
     def close(self) -> None:
         pass
 
-    @property
-    def net(self) -> nn.Module:
-        return self.model
 
-
-def build_model(cfg: LlamaConfig, seed: int) -> Llama:
-    torch.manual_seed(seed)
-    return Llama(cfg)
-
-
-def plain_dense(cfg: LlamaConfig, seed: int) -> PlainRun:
+def plain_dense(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
     model = build_model(cfg, seed)
-    return PlainRun(model, torch.optim.AdamW(model.parameters(), lr=LR))
+    return PlainRun(model, adamw(model.parameters(), fused))
 
 
-def plain_static(cfg: LlamaConfig, seed: int) -> PlainRun:
+def plain_static(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
     model = build_model(cfg, seed)
     sparsity = Static(sparsity=SPARSITY)
     model.apply(sparsity)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = adamw(model.parameters(), fused)
     sparsity.apply(optimizer)
     return PlainRun(model, optimizer)
 
 
-def plain_torch_ao(cfg: LlamaConfig, seed: int) -> PlainRun:
+def plain_torch_ao(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
     from torch.ao.pruning import WeightNormSparsifier
 
     model = build_model(cfg, seed)
-    names = [name for name, *_ in Static(sparsity=SPARSITY).select(model)]  # the same layers
+    names = sparse_names(model)
     sparsifier = WeightNormSparsifier(
         sparsity_level=SPARSITY, sparse_block_shape=(1, 1), zeros_per_block=1
     )
     sparsifier.prepare(model, config=[{"tensor_fqn": name} for name in names])
     sparsifier.step()  # start at the target sparsity, as the other sparse variants do
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)  # after prepare: parametrized weights
+    optimizer = adamw(model.parameters(), fused)  # after prepare: it owns the parametrized weights
     return PlainRun(model, optimizer, after_step=sparsifier.step)
 
 
 # ---------------------------------------------------------------------- Lightning variants
+class BenchLM(LitCausalLM):
+    """`LitCausalLM` (its loss, logging and loop) with the plain loops' optimizer, no schedule."""
+
+    def __init__(self, model: nn.Module, fused: bool) -> None:
+        super().__init__(model=model, lr=LR)
+        self.fused = fused
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return adamw(self.parameters(), self.fused)
+
+
 class StepGate(pl.Callback):
     """Runs a Trainer one optimizer step at a time on the driver's signal, timing each step.
 
@@ -160,22 +180,22 @@ class StepGate(pl.Callback):
     """
 
     def __init__(self) -> None:
-        self.ready = threading.Semaphore(0)  # the trainer reached its first batch
+        self.ready = threading.Semaphore(0)  # trainer -> driver: reached the first batch
         self.go = threading.Semaphore(0)  # driver -> trainer: run one step
-        self.done = threading.Semaphore(0)  # trainer -> driver: step finished (or failed)
+        self.done = threading.Semaphore(0)  # trainer -> driver: step finished (or fit failed)
         self.elapsed = 0.0
         self.started = False
         self.error: BaseException | None = None
         self._start = 0.0
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.started:
             self.started = True
             self.ready.release()
             self.go.acquire()
         self._start = time.perf_counter()
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.elapsed = time.perf_counter() - self._start
         self.done.release()
         self.go.acquire()
@@ -185,11 +205,15 @@ class LightningRun:
     """``Trainer.fit`` in a background thread, stepped one optimizer step at a time."""
 
     def __init__(
-        self, cfg: LlamaConfig, seed: int, batches: list[torch.Tensor], sparse: bool
+        self,
+        cfg: LlamaConfig,
+        seed: int,
+        fused: bool,
+        batches: list[torch.Tensor],
+        sparse: bool,
     ) -> None:
         self.gate = StepGate()
-        model = build_model(cfg, seed)
-        self.module = LitCausalLM(model=model, lr=LR, warmup_steps=1, max_steps=len(batches))
+        self.module = BenchLM(build_model(cfg, seed), fused)
         # The gate goes last so the sparsity callback's batch-end work is inside the timed step.
         callbacks = ([Static(sparsity=SPARSITY)] if sparse else []) + [self.gate]
         self.trainer = pl.Trainer(
@@ -202,15 +226,19 @@ class LightningRun:
             enable_progress_bar=False,
             enable_model_summary=False,
         )
-        loader = DataLoader(batches, batch_size=None, shuffle=False)
+        loader = DataLoader(batches, batch_size=None, shuffle=False)  # the plain loops' batches
         self.thread = threading.Thread(target=self._fit, args=(loader,), daemon=True)
         self.thread.start()
         self._wait(self.gate.ready)
 
+    @property
+    def net(self) -> nn.Module:
+        return self.module.model
+
     def _fit(self, loader: DataLoader) -> None:
         try:
             self.trainer.fit(self.module, train_dataloaders=loader)
-        except BaseException as error:  # noqa: BLE001 - reported to the driver thread
+        except BaseException as error:  # noqa: BLE001 - handed to the driver thread
             self.gate.error = error
         finally:
             self.gate.ready.release()
@@ -222,18 +250,14 @@ class LightningRun:
             raise RuntimeError("the Lightning run failed") from self.gate.error
 
     def step(self, batch: torch.Tensor) -> float:
-        """One optimizer step (the trainer draws ``batch`` itself, in the same order)."""
+        """One optimizer step (the trainer draws the same ``batch`` from its loader)."""
         self.gate.go.release()
         self._wait(self.gate.done)
         return self.gate.elapsed
 
     def close(self) -> None:
-        self.gate.go.release()  # let the parked trainer finish its last step
+        self.gate.go.release()  # let the parked trainer leave its last step and finish
         self.thread.join(timeout=60)
-
-    @property
-    def net(self) -> nn.Module:
-        return self.module.model
 
 
 # ---------------------------------------------------------------------- driver and report
@@ -247,13 +271,16 @@ def machine_facts() -> str:
     except OSError:
         pass
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return (
         f"date {datetime.datetime.now().isoformat(timespec='seconds')}; CPU {cpu!r}, {cores} "
-        f"cores visible, torch threads {torch.get_num_threads()}; load average {load}\n"
+        f"cores visible, torch threads {torch.get_num_threads()}; load average {load_average()}\n"
         f"python {platform.python_version()}, torch {torch.__version__}, lightning "
         f"{lightning.__version__}"
     )
+
+
+def load_average() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
 
 
 def run_interleaved(
@@ -267,10 +294,13 @@ def run_interleaved(
     for i in range(warmup):
         for name in names:
             runs[name].step(batches[i])
+    for run in runs.values():
+        if isinstance(run, PlainRun):
+            run.phases.clear()
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(steps):
-        order = names[r % len(names):] + names[: r % len(names)]
-        for name in order:
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
             times[name].append(runs[name].step(batches[warmup + r]))
     return times
 
@@ -287,28 +317,39 @@ def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
         )
     print(f"\ngoal: Static / dense <= {GOAL} (plain and Lightning)")
     for name, label in (("static", "plain"), ("lightning static", "Lightning")):
-        if name in med:
-            ratio = med[name] / med[baseline[name]]
-            verdict = "PASS" if ratio <= GOAL else "FAIL"
-            print(f"  {label:<10} Static / dense = {ratio:.3f}  {verdict}")
-    if "torch.ao" in med:
-        ratio = med["torch.ao"] / med[baseline["torch.ao"]]
-        print(f"  torch.ao   WeightNormSparsifier / dense = {ratio:.3f}  (for comparison)")
+        ratio = med[name] / med[baseline[name]]
+        verdict = "PASS" if ratio <= GOAL else "FAIL"
+        print(f"  {label:<10} Static / dense = {ratio:.3f}  {verdict}")
+    ratio = med["torch.ao"] / med[baseline["torch.ao"]]
+    print(f"  torch.ao   WeightNormSparsifier / dense = {ratio:.3f}  (for comparison)")
+
+
+def report_phases(runs: dict[str, PlainRun | LightningRun]) -> None:
+    plain = {name: run for name, run in runs.items() if isinstance(run, PlainRun)}
+    print("\nplain loops by phase, median ms (backward includes grad hooks; optimizer includes")
+    print("step hooks, zero_grad and, for torch.ao, sparsifier.step())")
+    print(f"{'variant':<18} " + " ".join(f"{p:>10}" for p in PHASES))
+    for name, run in plain.items():
+        cols = zip(*run.phases, strict=True)
+        print(f"{name:<18} " + " ".join(f"{1e3 * statistics.median(c):>10.1f}" for c in cols))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=21, help="timed rounds per variant")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--preset", default="small", help="LlamaConfig preset")
+    parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.preset, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 16, 3, 1
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")  # Lightning's dataloader-worker advice, torch.ao notices
     for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available: ..." and such
@@ -322,41 +363,46 @@ def main() -> None:
         for _ in range(n_batches)
     ]
     print(machine_facts())
-    n_params = build_model(cfg, args.seed).num_params()
     print(
-        f"model Llama preset {args.preset!r} ({n_params / 1e6:.2f}M params), batch {args.batch} x "
-        f"seq {args.seq}, fp32, AdamW, sparsity {SPARSITY}; {args.warmup} warm-up + "
-        f"{args.steps} timed steps per variant, interleaved round-robin (order rotated each round)"
+        f"model Llama preset {args.preset!r} ({build_model(cfg, args.seed).num_params() / 1e6:.2f}M"
+        f" params), batch {args.batch} x seq {args.seq}, fp32, "
+        f"AdamW({'fused' if args.fused else 'default'}), sparsity {SPARSITY}; {args.warmup} "
+        f"warm-up + {args.steps} timed steps per variant, round-robin, order rotated each round"
     )
     runs: dict[str, PlainRun | LightningRun] = {
-        "dense": plain_dense(cfg, args.seed),
-        "static": plain_static(cfg, args.seed),
-        "torch.ao": plain_torch_ao(cfg, args.seed),
+        "dense": plain_dense(cfg, args.seed, args.fused),
+        "static": plain_static(cfg, args.seed, args.fused),
+        "torch.ao": plain_torch_ao(cfg, args.seed, args.fused),
     }
     try:
-        runs["lightning dense"] = LightningRun(cfg, args.seed, batches, sparse=False)
-        runs["lightning static"] = LightningRun(cfg, args.seed, batches, sparse=True)
+        for name, sparse in (("lightning dense", False), ("lightning static", True)):
+            runs[name] = LightningRun(cfg, args.seed, args.fused, batches, sparse)
         times = run_interleaved(runs, batches, args.warmup, args.steps)
     finally:
         for run in runs.values():
             run.close()
-    baseline = {
-        "dense": "dense",
-        "static": "dense",
-        "torch.ao": "dense",
-        "lightning dense": "dense",
-        "lightning static": "lightning dense",
-    }
-    names = [name for name, *_ in Static(sparsity=SPARSITY).select(build_model(cfg, args.seed))]
-    print("\nzeros in the sparsified Linear weights after the run: " + ", ".join(
-        f"{name} {zero_fraction(run.net, names):.3f}" for name, run in runs.items()
-    ))
+
+    names = sparse_names(build_model(cfg, args.seed))
+    print(
+        "\nzeros in the sparsifiable Linear weights after the run: "
+        + ", ".join(f"{name} {zero_fraction(run.net, names):.3f}" for name, run in runs.items())
+    )
     for name, run in runs.items():
         if isinstance(run, LightningRun) and run.trainer.global_step != n_batches:
             print(f"WARNING: {name} ran {run.trainer.global_step} steps, expected {n_batches}")
     print()
-    report(times, baseline)
-    print(f"\nmachine load average after the run: {os.getloadavg()[0]:.2f} (1 min)")
+    report(
+        times,
+        baseline={
+            "dense": "dense",
+            "static": "dense",
+            "torch.ao": "dense",
+            "lightning dense": "dense",
+            "lightning static": "lightning dense",
+        },
+    )
+    report_phases(runs)
+    print(f"\nload average after the run: {load_average()}")
 
 
 if __name__ == "__main__":

@@ -132,12 +132,23 @@ CASES = {
     "all_pruned": ((10, 9), (4, 9), 1.0, [], []),
     # More tokens than one tile (padding of the last tile), features past the L2 tile budget.
     "multi_tile": ((72, 2100), (300, 2100), 0.95, [3], [11]),
+    # Enough work for several threads but too few tokens to split: threads split the rows.
+    "few_tokens_many_rows": ((512, 2048), (17, 2048), 0.9, [7], [5]),
 }
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request: pytest.FixtureRequest):
+    """Runs a test single- and multi-threaded (the native kernels partition work differently)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(previous)
 
 
 @pytest.mark.parametrize("path", ALL_PATHS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_masked_dense(path: str, case: str) -> None:
+def test_matches_masked_dense(path: str, case: str, threads: int) -> None:
     (out_features, in_features), x_shape, sparsity, rows, cols = CASES[case]
     generator = torch.Generator().manual_seed(len(case))
     weight = torch.randn(out_features, in_features, generator=generator, requires_grad=True)

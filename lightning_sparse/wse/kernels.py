@@ -5,23 +5,24 @@
 pruned positions, so optimizers see exactly what masked dense training gives them), while only
 kept weights cost FLOPs:
 
-- forward        Y = X W^T                 CSR of W         (tokens vectorised, rows in parallel)
-- input grad     grad_X = grad_Y W         CSR of W^T       (same kernel on the transposed CSR)
+- forward        Y = X W^T                     walks the CSR of W
+- input grad     grad_X = grad_Y W             same kernel on the CSR of W^T (`t_*` fields)
 - weight grad    grad_W[i, j] = sum_t grad_Y[t, i] X[t, j] at kept (i, j) only (SDDMM)
 
 Paths (see `PATHS`):
-- "compiled": the C++/OpenMP kernels in `_CPP_SOURCE` below, compiled once per machine with the
-  system C++ compiler into a cache directory and loaded with ctypes (a few seconds to build, no
-  dependency on torch's C++ headers or ABI). CPU, fp32/fp64.
+- "compiled": the C++/OpenMP kernels in `_CPP_SOURCE` (last section), compiled once per machine
+  with the system C++ compiler into a cache directory and loaded with ctypes: a few seconds to
+  build, no dependency on torch's C++ headers or ABI; OpenMP resolves to the runtime torch already
+  loaded. CPU, float32/float64. Tokens are the vector dimension; each thread owns a token range.
 - "torch": PyTorch's own CSR ops (`torch.sparse.mm`, `torch.sparse.sampled_addmm`); any device.
-- "dense": `F.linear(x, weight * mask, bias)`, the reference and the fallback for tiny layers.
-- "auto" (default) measures each available path once per (device, dtype, shape, density bucket,
-  token bucket, grad) key on synthetic data, and then uses the fastest, so the device is never
-  slower than dense by more than timing noise.
+- "dense": `F.linear(x, weight * mask, bias)`, the reference and the winner for tiny layers.
+- "auto" (default) times every available path once per (device, dtype, shape, density bucket,
+  token bucket, grad) key on synthetic data of that shape and structure, then keeps the fastest,
+  so the device is never slower than dense by more than timing noise.
 
 Force a path with the `path=` argument or the `LIGHTNING_SPARSE_WSE_PATH` environment variable
-("auto", "compiled", "torch", "dense"); `LIGHTNING_SPARSE_WSE_COMPILE=0` disables building the
-native library. `resolve_path` reports which path a call would take.
+("auto", "compiled", "torch", "dense"); `LIGHTNING_SPARSE_WSE_COMPILE=0` (read once per process)
+never builds the native library. `resolve_path` reports which path a call takes.
 """
 
 from __future__ import annotations

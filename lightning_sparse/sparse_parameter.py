@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_sparse.masking import zero_pruned_
 from lightning_sparse.sharding import full
 
 __all__ = ["SparseParameter", "mask_buffer_name"]
@@ -65,10 +66,9 @@ class SparseParameter:
         """Delete the mask buffer (used by ``densify``)."""
         self.module._buffers.pop(self.mask_name, None)
 
-    @torch.no_grad()
     def prune_(self) -> None:
         """Zero the parameter at pruned positions, in place."""
-        self.param.mul_(self.mask)
+        zero_pruned_(self.param, self.mask)
 
     @property
     def nnz(self) -> torch.Tensor:

@@ -36,6 +36,7 @@ from lightning_sparse.filters import (
     make_param_filter,
 )
 from lightning_sparse.init_methods import make_init_method
+from lightning_sparse.masking import zero_pruned_, zero_pruned_foreach_
 from lightning_sparse.rng import generator_for
 from lightning_sparse.shapers import Shaper, Unstructured
 from lightning_sparse.sharding import full, shard_like
@@ -285,17 +286,15 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._emit_sparsity_hooks()
 
     def _grad_hook(self, sp: SparseParameter) -> Callable[[torch.Tensor], None]:
-        zero = torch.zeros((), dtype=sp.param.dtype, device=sp.param.device)
-
         def mask_grad(param: torch.Tensor) -> None:
-            # where() rather than mul(): NaN/inf at pruned positions must not make AMP skip a step.
+            # NaN/inf at pruned positions are zeroed too, so they never make AMP skip a step.
             grad = param.grad
             if grad is None:
                 return
             if not self._dense_grad_needed:
-                torch.where(sp.mask, grad, zero, out=grad)
+                zero_pruned_(grad, sp.mask)
             else:  # keep the dense gradient for the update, minus non-finite pruned entries
-                torch.where(sp.mask | grad.isfinite(), grad, zero, out=grad)
+                zero_pruned_(grad, sp.mask | grad.isfinite())
 
         return mask_grad
 
@@ -349,8 +348,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
             self.step += 1
         sps = self._params_of(optimizer)
         if sps:
-            with torch.no_grad():
-                torch._foreach_mul_([sp.param for sp in sps], [sp.mask for sp in sps])
+            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
         if len(optimizer.state) != self._optimizer_state_len.get(id(optimizer)):
             self._prune_optimizer_state(optimizer, sps)  # states created lazily by this step
 
@@ -629,13 +627,6 @@ def _shards_in_configure_model(trainer: pl.Trainer) -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return isinstance(trainer.strategy, ModelParallelStrategy)
-
-
-def zero_pruned_(tensor: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``tensor[~mask] = 0`` in place, safe for NaN/inf (unlike multiplying by the mask)."""
-    return torch.where(
-        mask, tensor, torch.zeros((), dtype=tensor.dtype, device=tensor.device), out=tensor
-    )
 
 
 def tied_parameter_ids(root: nn.Module) -> set[int]:

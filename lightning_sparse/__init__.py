@@ -13,6 +13,7 @@ from lightning_sparse.algorithms import (
     SparsityAlgorithm,
     Static,
 )
+from lightning_sparse.algorithms.base import algorithms_of
 from lightning_sparse.configure import configure
 from lightning_sparse.conversion import convert_nan_checkpoint, densify
 from lightning_sparse.filters import default_sparse_param_filter
@@ -34,6 +35,7 @@ __all__ = [
     "Static",
     "SparsityReport",
     "SparsityWrapperOptimizer",
+    "algorithms_of",
     "configure",
     "configure_sparsity_wrapper",
     "convert_nan_checkpoint",

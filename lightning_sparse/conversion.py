@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_sparse.algorithms.base import algorithms_of
+
 __all__ = ["convert_nan_checkpoint", "densify"]
 
 
@@ -26,7 +28,7 @@ def densify(model: nn.Module) -> int:
     Returns:
         Number of parameters that were sparse.
     """
-    algorithms = list(model.__dict__.get("_lightning_sparse_algorithms", []))
+    algorithms = algorithms_of(model)
     count = 0
     for algorithm in algorithms:
         count += len(algorithm.sparse_params)

@@ -159,6 +159,12 @@ class SparsityAlgorithm(pl.Callback, ABC):
             self._layer_cache = {sparsity: self.distribution(self._shapes, sparsity, **kwargs)}
         return self._layer_cache[sparsity][name]
 
+    @property
+    def dense_grad_needed(self) -> bool:
+        """True during the backward of a step whose mask update reads the dense gradient
+        (RigL, GraNet): executors that skip pruned positions must compute it in full then."""
+        return self._dense_grad_needed
+
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was computed for."""
         return self.target_sparsity(name, self._mask_step)
@@ -627,6 +633,11 @@ def _shards_in_configure_model(trainer: pl.Trainer) -> bool:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     return isinstance(trainer.strategy, ModelParallelStrategy)
+
+
+def algorithms_of(model: nn.Module) -> list[SparsityAlgorithm]:
+    """The algorithms applied to ``model`` (Group members individually), in order of application."""
+    return list(model.__dict__.get("_lightning_sparse_algorithms", []))
 
 
 def tied_parameter_ids(root: nn.Module) -> set[int]:

@@ -173,6 +173,23 @@ def test_matches_masked_dense(path: str, case: str, threads: int) -> None:
     assert not grads[1][~mask].any(), "weight gradient must be exactly zero where pruned"
 
 
+@pytest.mark.parametrize("path", SPARSE_PATHS)
+def test_float64_matches_masked_dense(path: str, threads: int) -> None:
+    # Big enough for full vector blocks in every kernel (8 float64 lanes, 32-feature blocks).
+    generator = torch.Generator().manual_seed(9)
+    weight = torch.randn(80, 96, dtype=torch.float64, generator=generator, requires_grad=True)
+    x = torch.randn(2, 45, 96, dtype=torch.float64, generator=generator, requires_grad=True)
+    mask = _mask((80, 96), 0.7, seed=10)
+    y = sparse_linear(x, weight, mask, path=path)
+    grad_y = torch.randn(y.shape, dtype=torch.float64, generator=generator)
+    grads = torch.autograd.grad(y, (x, weight), grad_y)
+    y_ref = F.linear(x, weight * mask)
+    ref_grads = torch.autograd.grad(y_ref, (x, weight), grad_y)
+    torch.testing.assert_close(y, y_ref)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(grad, ref_grad)
+
+
 @pytest.mark.parametrize("path", ALL_PATHS)
 def test_gradcheck_float64(path: str) -> None:
     generator = torch.Generator().manual_seed(0)

@@ -483,6 +483,7 @@ _CPP_SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include <omp.h>
 
@@ -620,19 +621,66 @@ inline auto with_vectors(int nv, F&& f) {
   }
 }
 
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+#define LS_REGISTER_TRANSPOSE 1
+// Lane e of the lo (HI=false) or hi output of one level of an L x L register transpose that swaps
+// off-diagonal blocks of size B between rows i and i + B (indices into the concatenation a:b).
+template <int L, int B, bool HI>
+constexpr int transpose_index(int e) {
+  return ((e / B) / 2 * 2 + (HI ? 1 : 0)) * B + e % B + ((e / B) % 2 ? L : 0);
+}
+template <typename S, int B, bool HI, size_t... I>
+inline Vec<S> transpose_shuffle(Vec<S> a, Vec<S> b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, transpose_index<kLanes<S>, B, HI>(I)...);
+}
+// Transposes the L x L block held in r[0..L) (row i = r[i]) in registers.
+template <typename S, int B = kLanes<S> / 2>
+inline void transpose_block(Vec<S>* r) {
+  constexpr int L = kLanes<S>;
+  for (int g = 0; g < L; g += 2 * B) {
+    for (int i = g; i < g + B; ++i) {
+      constexpr auto lanes = std::make_index_sequence<L>{};
+      const Vec<S> lo = transpose_shuffle<S, B, false>(r[i], r[i + B], lanes);
+      const Vec<S> hi = transpose_shuffle<S, B, true>(r[i], r[i + B], lanes);
+      r[i] = lo;
+      r[i + B] = hi;
+    }
+  }
+  if constexpr (B > 1) transpose_block<S, B / 2>(r);
+}
+#else
+#define LS_REGISTER_TRANSPOSE 0
+#endif
+
 // dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
-// the kernels always run full-width vectors.
+// the kernels always run full-width vectors. Full L x L blocks go through registers (about twice
+// as fast as strided scalar copies); the output side stays scalar, where register transposes
+// lost to 4 KiB-strided vector stores.
 template <typename S, int T>
 inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1,
                            S* dst) {
+  constexpr int L = kLanes<S>;
   for (int64_t kb = k0; kb < k1; kb += kColBlock) {
     const int64_t ke = std::min(kb + kColBlock, k1);
-    for (int64_t t = 0; t < tn; ++t) {
+    int64_t t = 0;
+#if LS_REGISTER_TRANSPOSE
+    if (ke - kb == kColBlock) {
+      for (; t + L <= tn; t += L) {
+        for (int64_t k = kb; k < ke; k += L) {
+          Vec<S> r[L];
+          for (int i = 0; i < L; ++i) r[i] = load<S>(src + (n0 + t + i) * ld + k);
+          transpose_block<S>(r);
+          for (int i = 0; i < L; ++i) store<S>(dst + (k + i) * T + t, r[i]);
+        }
+      }
+    }
+#endif
+    for (; t < tn; ++t) {
       const S* s = src + (n0 + t) * ld;
       for (int64_t k = kb; k < ke; ++k) dst[k * T + t] = s[k];
     }
     for (int64_t k = kb; k < ke; ++k)
-      for (int64_t t = tn; t < T; ++t) dst[k * T + t] = S(0);
+      for (int64_t u = tn; u < T; ++u) dst[k * T + u] = S(0);
   }
 }
 

@@ -178,3 +178,42 @@ trainer:
     callbacks = [c for c in cli.trainer.callbacks if isinstance(c, RigL)]
     assert len(callbacks) == 1 and callbacks[0].step == 3
     _assert_sparse(cli.model, 0.8)
+
+
+def test_lightning_cli_yaml_configures_a_group(tmp_path: Path) -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        """
+trainer:
+  max_steps: 2
+  accelerator: cpu
+  logger: false
+  enable_checkpointing: false
+  enable_progress_bar: false
+  callbacks:
+    - class_path: lightning_sparse.Group
+      init_args:
+        groups:
+          "*fc1.weight":
+            class_path: lightning_sparse.Static
+            init_args: {sparsity: 0.5}
+          "*fc2.weight":
+            class_path: lightning_sparse.SET
+            init_args: {sparsity: 0.75, update: {freq: 1}}
+"""
+    )
+    import tests.helpers as helpers
+
+    class DataModuleLM(helpers.TinyLM):
+        def train_dataloader(self):  # noqa: ANN202
+            return token_loader()
+
+    cli = LightningCLI(DataModuleLM, args=["fit", "--config", str(config)], save_config_callback=None)
+    (group,) = [c for c in cli.trainer.callbacks if isinstance(c, Group)]
+    assert [type(a) for a in group] == [Static, SET] and group.step == 2
+    assert {n: int(sp.mask.sum()) for n, sp in group.sparse_params.items()} == {
+        "net.fc1.weight": 480,
+        "net.fc2.weight": 240,
+    }

@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_sparse.algorithms._checkpoint import check_incoming_masks
 from lightning_sparse.distributions import make_distribution
 from lightning_sparse.filters import (
     ParamFilter,
@@ -38,6 +39,7 @@ from lightning_sparse.filters import (
 from lightning_sparse.init_methods import make_init_method
 from lightning_sparse.masking import zero_pruned_, zero_pruned_foreach_
 from lightning_sparse.rng import generator_for
+from lightning_sparse.selection import Candidate, candidates, tied_parameter_ids
 from lightning_sparse.shapers import Shaper, Unstructured
 from lightning_sparse.sharding import full, shard_like
 from lightning_sparse.sparse_parameter import SparseParameter, mask_buffer_name
@@ -45,7 +47,6 @@ from lightning_sparse.sparse_parameter import SparseParameter, mask_buffer_name
 __all__ = ["SparsityAlgorithm", "Candidate", "validate_sparsity"]
 
 SparsityHook = Callable[["SparsityAlgorithm", str, Any], None]
-Candidate = tuple[str, nn.Module, str, nn.Parameter]  # (full name, owner, attribute, parameter)
 
 
 def validate_sparsity(value: object, where: str = "") -> float:
@@ -499,45 +500,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
         """Validate masks in an incoming state dict; give a dense checkpoint the current masks."""
-        for name, sp in self.sparse_params.items():
-            key = f"{prefix}{name}_mask"
-            if key not in state_dict:
-                state_dict[key] = sp.mask.clone()  # dense checkpoint: keep (and apply) our masks
-                continue
-            incoming = state_dict[key]
-            if tuple(incoming.shape) != tuple(sp.mask.shape):
-                raise ValueError(
-                    f"checkpoint mask {key!r} has shape {tuple(incoming.shape)} but parameter "
-                    f"{name!r} has shape {tuple(sp.mask.shape)}; the checkpoint was saved from a "
-                    "different model configuration"
-                )
-            if incoming.dtype != torch.bool:
-                if not bool(((incoming == 0) | (incoming == 1)).all()):
-                    raise ValueError(f"checkpoint mask {key!r} must hold only 0/1 or bool values")
-                state_dict[key] = incoming.to(torch.bool)
-        ours = {f"{prefix}{n}_mask" for n in self.sparse_params}
-        params = {f"{prefix}{n}" for n, _ in module.named_parameters()}
-        foreign = [
-            k
-            for k in state_dict
-            if k.startswith(prefix)
-            and k.endswith("_mask")
-            and k[: -len("_mask")] in params
-            and k not in ours
-            and not self._claimed_elsewhere(module, k[len(prefix) :])
-        ]
-        if foreign:
-            raise ValueError(
-                f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
-                "dense; include those parameters in param_filter, or drop the keys to load them "
-                "dense"
-            )
-
-    def _claimed_elsewhere(self, root: nn.Module, mask_key: str) -> bool:
-        return any(
-            a is not self and mask_key[: -len("_mask")] in a.sparse_params
-            for a in root.__dict__.get("_lightning_sparse_algorithms", [])
-        )
+        check_incoming_masks(self, module, state_dict, prefix)
 
     def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         for sp in self.sparse_params.values():
@@ -638,35 +601,3 @@ def _shards_in_configure_model(trainer: pl.Trainer) -> bool:
 def algorithms_of(model: nn.Module) -> list[SparsityAlgorithm]:
     """The algorithms applied to ``model`` (Group members individually), in order of application."""
     return list(model.__dict__.get("_lightning_sparse_algorithms", []))
-
-
-def tied_parameter_ids(root: nn.Module) -> set[int]:
-    """``id``s of parameters registered under more than one name (tied weights)."""
-    seen: dict[int, int] = {}
-    for _, p in root.named_parameters(remove_duplicate=False):
-        seen[id(p)] = seen.get(id(p), 0) + 1
-    return {i for i, n in seen.items() if n > 1}
-
-
-def candidates(root: nn.Module) -> Iterator[Candidate]:
-    """Every parameter once (a tied parameter under its first name), skipping opted-out ones.
-
-    Modules with ``requires_dense = True`` are skipped with their children; parameters with
-    ``requires_dense = True`` are skipped.
-    """
-    seen: set[int] = set()
-    skipped: list[str] = []
-    for module_name, module in root.named_modules():
-        if any(module_name == s or module_name.startswith(s + ".") for s in skipped):
-            continue
-        if getattr(module, "requires_dense", False):
-            skipped.append(module_name)
-            continue
-        for attr, param in module._parameters.items():
-            if param is None or id(param) in seen:
-                continue
-            seen.add(id(param))
-            if getattr(param, "requires_dense", False):
-                continue
-            name = f"{module_name}.{attr}" if module_name else attr
-            yield name, module, attr, param

@@ -21,14 +21,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from lightning_sparse.algorithms.base import (
-    Candidate,
-    SparsityAlgorithm,
-    SparsityHook,
-    candidates,
-    tied_parameter_ids,
-)
+from lightning_sparse.algorithms.base import SparsityAlgorithm, SparsityHook
 from lightning_sparse.filters import ParamFilter, make_param_filter
+from lightning_sparse.selection import Candidate, candidates, tied_parameter_ids
 
 __all__ = ["Group"]
 

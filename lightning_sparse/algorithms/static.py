@@ -11,9 +11,10 @@ from typing import Any
 
 import torch
 
-from lightning_sparse.algorithms.base import Candidate, SparsityAlgorithm, validate_sparsity
+from lightning_sparse.algorithms.base import SparsityAlgorithm, validate_sparsity
 from lightning_sparse.distributions import global_magnitude
 from lightning_sparse.filters import ParamFilter
+from lightning_sparse.selection import Candidate
 from lightning_sparse.shapers import Shaper
 from lightning_sparse.sharding import full, shard_like
 

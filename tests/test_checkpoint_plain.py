@@ -172,3 +172,21 @@ def test_sparsity_hooks_report_target_and_computed() -> None:
     events.clear()
     _train(model, sparsity, optimizer, range(2, 3))
     assert [e[0] for e in events] == ["target", "target"]
+
+
+def test_cycling_schedule_reports_the_target_its_masks_were_built_for() -> None:
+    """Cycling advances after each update; the reported target must not run ahead of the mask."""
+    from lightning_sparse import GMP
+
+    model, sparsity, optimizer = _setup(
+        lambda: GMP(sparsity=[0.3, 0.5, 0.7], update={"steps": [0, 2, 4]})
+    )
+    for steps, expected in ((range(0, 1), 0.3), (range(1, 3), 0.5), (range(3, 5), 0.7)):
+        _train(model, sparsity, optimizer, steps)
+        target, actual = sparsity.overall_sparsity()
+        assert target == pytest.approx(expected)
+        assert float(actual) == pytest.approx(expected, abs=1e-2)
+    restored = GMP(sparsity=[0.3, 0.5, 0.7], update={"steps": [0, 2, 4]})
+    TinyNet().apply(restored)
+    restored.load_state_dict(sparsity.state_dict())
+    assert restored.mask_target("fc1.weight") == pytest.approx(0.7)

@@ -127,7 +127,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._param_handles: list[RemovableHandle] = []
         self._optimizer_handles: dict[int, list[RemovableHandle]] = {}
         self._mask_version = 0
-        self._mask_step = 0
+        self._mask_targets: dict[str, float] = {}
         self._optimizer_version: dict[int, int] = {}
         self._optimizer_state_len: dict[int, int] = {}
         self._dense_grad_needed = False
@@ -168,7 +168,11 @@ class SparsityAlgorithm(pl.Callback, ABC):
 
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was computed for."""
-        return self.target_sparsity(name, self._mask_step)
+        return self._mask_targets[name]
+
+    def initial_target(self, name: str) -> float:
+        """Sparsity of the mask ``initial_mask`` builds for ``name``."""
+        return self.target_sparsity(name, 0)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """Mask at ``apply`` time: ``init_method`` at the step-0 target sparsity."""
@@ -289,6 +293,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
             )
             registry = root.__dict__.setdefault("_lightning_sparse_algorithms", [])
             registry.append(self)
+        self._mask_targets = {name: self.initial_target(name) for name, _, _, _ in chosen}
         self._mask_version += 1
         self._emit_sparsity_hooks()
 
@@ -390,8 +395,9 @@ class SparsityAlgorithm(pl.Callback, ABC):
                         zero_pruned_(value, sp.mask)
         self._optimizer_state_len[id(optimizer)] = len(optimizer.state)
 
-    def set_masks_(self, masks: dict[str, torch.Tensor]) -> None:
-        """Install new masks (name -> bool mask), prune weights, and mark optimizers for pruning."""
+    def set_masks_(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
+        """Install new masks (name -> bool mask) computed for ``targets`` (name -> sparsity),
+        prune weights, and mark optimizers for pruning."""
         stats: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
             for name, mask in masks.items():
@@ -411,7 +417,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self.last_update = stats
         self._unlogged_update = True
         self._mask_version += 1
-        self._mask_step = self.step
+        self._mask_targets.update(targets)
         self._emit_sparsity_hooks()
         for hook in self._update_hooks.values():
             hook(self, self.step, stats)
@@ -478,7 +484,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Algorithm state (masks live in the model's state_dict as ``<param>_mask``)."""
-        state: dict[str, Any] = {"step": self.step}
+        state: dict[str, Any] = {"step": self.step, "mask_targets": dict(self._mask_targets)}
         if self.ever_active:
             state["ever_active"] = {n: m.clone() for n, m in self.ever_active.items()}
         return state
@@ -491,6 +497,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
                 "state_dict() returned"
             )
         self.step = int(state_dict["step"])
+        self._mask_targets.update(state_dict.get("mask_targets", {}))
         for name, ever in state_dict.get("ever_active", {}).items():
             if name in self.ever_active:
                 self.ever_active[name].copy_(ever)

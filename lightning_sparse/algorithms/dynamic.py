@@ -82,11 +82,9 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         """The sparsity schedule at ``step``, clamped to [0, 1], spread by ``distribution``."""
         return self.layer_sparsity(name, min(max(float(self.sparsity(step)), 0.0), 1.0))
 
-    def mask_target(self, name: str) -> float:
-        """0 while training dense before the first update, else the last update's target."""
-        if not self.starts_sparse and self._last_update_step < 0:
-            return 0.0
-        return super().mask_target(name)
+    def initial_target(self, name: str) -> float:
+        """0 when training starts dense (before the first update), else the step-0 target."""
+        return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
 
     def is_update_step(self, step: int | None = None) -> bool:
         """Whether masks change after ``step`` completed steps (default: the current step)."""
@@ -135,10 +133,11 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         if self.check_finite and not self.grads_finite():
             return  # AMP will skip this step; the step counter does not advance, retry next time
         with torch.no_grad():
+            targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             new_masks = self.compute_masks()
         self.sparsity.update(True)
         self._last_update_step = self.step
-        self.set_masks_(new_masks)
+        self.set_masks_(new_masks, targets)
 
     def compute_masks(self) -> dict[str, torch.Tensor]:
         """New masks of every parameter at this step: ``update_mask`` one parameter at a time.
@@ -194,6 +193,5 @@ class DynamicSparsityAlgorithm(SparsityAlgorithm):
         """Restore ``state_dict()`` output, schedule state included."""
         super().load_state_dict(state_dict)
         self._last_update_step = int(state_dict.get("last_update_step", -1))
-        self._mask_step = max(self._last_update_step, 0)
         self.sparsity.load_state_dict(state_dict.get("sparsity", {}))
         self._refresh_step_flags()

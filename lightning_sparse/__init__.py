@@ -3,6 +3,7 @@
 Public API; everything not re-exported here is internal.
 """
 
+import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse", strategies "wse", "wse_ddp")
 from lightning_sparse.algorithms import (
     GMP,
     SET,

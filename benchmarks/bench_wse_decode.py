@@ -1,0 +1,229 @@
+"""Batch-1 decode of the RigL Llama recipe model on the emulated wafer-scale device, and its
+weight memory, versus the dense model.
+
+Variants (one process, round-robin, order rotated each round, median of rounds):
+
+- ``dense``: the recipe model (dim 128, 4 layers, 4 heads, vocab 256, max_seq_len 128, fp32)
+  without masks, plain `nn.Linear` on the CPU;
+- ``cpu 0.90``: the same weights with 90% masks, masked dense on the CPU (what
+  ``accelerator="cpu"`` runs);
+- ``wse <s>``: masks at each sparsity of the curve on the 28 ``*layers.*_proj.weight``
+  matrices (``Static``, the recipe's random init), run by the device's executor
+  (`install_executor`, kernel path "auto"); embeddings, norms, attention and the output head
+  stay dense, as in the recipe.
+
+Two measures: ``generate`` = `Llama.generate` (greedy, batch 1, ``--prompt`` tokens then
+``--new`` tokens; the library's decoder has no KV cache, so token ``t`` runs the model over the
+whole context), and ``1-token`` = one forward of a single token (the per-token Linear work of a
+KV-cached decoder, without the attention over a cache). Memory: weight bytes of the 28 masked
+matrices in CSR (fp32 values, int32 indices) versus dense fp32: ``forward`` = values + column
+indices + row pointers (what inference needs), ``both`` = plus the transposed structure training
+walks, and ``host`` = what the emulator's `CSRWeight` objects actually hold (both structures,
+the flat gather indices, a value snapshot and a bool mask).
+
+    python benchmarks/bench_wse_decode.py [--rounds 7] [--prompt 32] [--new 64] [--threads 2]
+
+Goals at 90%: generate tokens/s >= 3x dense; forward-CSR weight memory <= 0.25x dense.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from _harness import load_average, machine_facts, quiet
+from torch import nn
+
+from lightning_sparse import Static
+from lightning_sparse.models.llama import Llama, LlamaConfig
+from lightning_sparse.wse import CSRWeight, WSEExecutor, autotune_choices, install_executor
+
+SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
+GOAL_SPARSITY, SPEED_GOAL, MEMORY_GOAL = 0.9, 3.0, 0.25
+RECIPE = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=128)
+FILTER = ["*layers.*_proj.weight"]
+CSR_FIELDS = ("crow_indices", "col_indices", "values", "flat_indices", "t_crow_indices")
+CSR_FIELDS += ("t_col_indices", "t_perm", "mask")
+
+
+def build(cfg: LlamaConfig, sparsity: float | None, seed: int) -> Llama:
+    torch.manual_seed(seed)  # same weights in every variant
+    model = Llama(cfg).eval()
+    if sparsity is not None:
+        model.apply(Static(sparsity, param_filter=FILTER, seed=seed))
+    return model
+
+
+def masked_linears(model: nn.Module) -> list[nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and hasattr(m, "weight_mask")]
+
+
+def host_bytes(model: nn.Module) -> int:
+    """Bytes the emulator's CSRWeight objects hold for the masked layers."""
+    total = 0
+    for layer in masked_linears(model):
+        csr = CSRWeight.from_dense(layer.weight.detach(), layer.weight_mask)
+        total += sum(getattr(csr, f).nbytes for f in CSR_FIELDS)
+    return total
+
+
+def linear_share(model: Llama, run: Callable[[], object]) -> float:
+    """Share of the wall time of ``run()`` spent inside ``model``'s 28 sparsifiable Linear
+    calls."""
+    spent = [0.0]
+    starts: dict[int, float] = {}
+    handles = []
+
+    def begin(module: nn.Module, args: object) -> None:
+        starts[id(module)] = time.perf_counter()
+
+    def end(module: nn.Module, args: object, output: object) -> None:
+        spent[0] += time.perf_counter() - starts[id(module)]
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and "layers." in name and name.endswith("_proj"):
+            handles.append(module.register_forward_pre_hook(begin))
+            handles.append(module.register_forward_hook(end))
+    start = time.perf_counter()
+    run()
+    total = time.perf_counter() - start
+    for handle in handles:
+        handle.remove()
+    return spent[0] / total
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds of each function over ``rounds`` rotated rounds (after one warm-up)."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="generated tokens per call")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
+    parser.add_argument("--quick", action="store_true", help="few tokens and rounds (smoke run)")
+    args = parser.parse_args()
+    sparsities = [float(s) for s in args.sparsities.split(",")]
+    if args.quick:
+        args.rounds, args.prompt, args.new, sparsities = 2, 8, 4, [GOAL_SPARSITY]
+    torch.set_num_threads(args.threads)
+    quiet()
+    cfg = LlamaConfig(**RECIPE)
+    generator = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=generator)
+    one = prompt[:, -1:]
+    print(machine_facts())
+    print(
+        f"model: recipe Llama {RECIPE}, fp32, batch 1; generate: {args.prompt}-token prompt + "
+        f"{args.new} new tokens (greedy, no KV cache); 1-token: model(idx[:, -1:]); "
+        f"{args.rounds} rounds after a warm-up, rotated, medians"
+    )
+    models: dict[str, Llama] = {"dense": build(cfg, None, args.seed)}
+    models[f"cpu {GOAL_SPARSITY:.2f}"] = build(cfg, GOAL_SPARSITY, args.seed)
+    executors: dict[str, WSEExecutor] = {}
+    for s in sparsities:
+        models[f"wse {s:.2f}"] = build(cfg, s, args.seed)
+        executors[f"wse {s:.2f}"] = install_executor(models[f"wse {s:.2f}"])
+
+    def decode(model: Llama) -> Callable[[], object]:
+        return lambda: model.generate(prompt, args.new, temperature=0.0)
+
+    def single(model: Llama) -> Callable[[], object]:
+        def run() -> None:
+            with torch.no_grad():
+                for _ in range(args.new):
+                    model(one)
+
+        return run
+
+    gen = interleaved({n: decode(m) for n, m in models.items()}, args.rounds)
+    fwd = interleaved({n: single(m) for n, m in models.items()}, args.rounds)
+    share = statistics.median(linear_share(models["dense"], decode(models["dense"])) for _ in "123")
+    share_one = statistics.median(
+        linear_share(models["dense"], single(models["dense"])) for _ in "123"
+    )
+    # The device must decode exactly what masked dense decoding gives (same model, no executor).
+    same = {}
+    for name, executor in executors.items():
+        on_device = decode(models[name])()
+        executor.remove()
+        same[name] = bool(torch.equal(on_device, decode(models[name])()))
+        install_executor(models[name], stats=executor.stats)
+
+    dense_tps = args.new / gen["dense"]
+    dense_one = args.new / fwd["dense"]
+    print(
+        f"\ndense: generate {dense_tps:.1f} tokens/s, 1-token forward {dense_one:.1f}/s; the 28 "
+        f"sparsifiable Linear calls take {share:.0%} of dense generate time and {share_one:.0%} "
+        f"of the 1-token forward (bounds on any speedup from them: {1 / (1 - share):.2f}x and "
+        f"{1 / (1 - share_one):.2f}x)\n"
+    )
+    print(
+        f"{'variant':<9} {'gen tok/s':>9} {'x dense':>8} {'1-tok/s':>8} {'x dense':>8} "
+        f"{'mem fwd':>8} {'mem both':>9} {'mem host':>9} {'= masked':>8}"
+    )
+    for name, model in models.items():
+        tps, one_tps = args.new / gen[name], args.new / fwd[name]
+        mem = ("", "", "")
+        if name in executors:
+            stats = executors[name].stats.memory_dict()
+            host = host_bytes(model) / stats["weight_bytes_dense"]
+            mem = (
+                f"{stats['weight_bytes_ratio_forward']:.3f}",
+                f"{stats['weight_bytes_ratio_both']:.3f}",
+                f"{host:.3f}",
+            )
+        print(
+            f"{name:<9} {tps:>9.1f} {tps / dense_tps:>7.2f}x {one_tps:>8.1f} "
+            f"{one_tps / dense_one:>7.2f}x {mem[0]:>8} {mem[1]:>9} {mem[2]:>9} "
+            f"{str(same.get(name, '-')):>8}"
+        )
+    print(
+        "\nmem = weight bytes of the 28 masked matrices / dense fp32: fwd = CSR values + int32 "
+        "column indices + row pointers; both = plus the transposed structure (training); host = "
+        "the emulator's CSRWeight objects. = masked: the device's greedy tokens equal those of the "
+        "same masked model run dense."
+    )
+    choices = sorted({(k[2], k[3], k[4], v) for k, v in autotune_choices().items() if not k[5]})
+    print(
+        "'auto' choices (shape, density bucket, token bucket): "
+        + ", ".join(f"{sh} {b} {t} -> {p}" for sh, b, t, p in choices)
+    )
+    key = f"wse {GOAL_SPARSITY:.2f}"
+    if key in models:
+        speed = gen["dense"] / gen[key]
+        memory = executors[key].stats.memory_dict()["weight_bytes_ratio_forward"]
+        both = executors[key].stats.memory_dict()["weight_bytes_ratio_both"]
+        print(
+            f"\ngoal: generate at {GOAL_SPARSITY:.0%} >= {SPEED_GOAL}x dense tokens/s: "
+            f"{speed:.2f}x {'PASS' if speed >= SPEED_GOAL else 'FAIL'}"
+        )
+        print(
+            f"goal: weight memory at {GOAL_SPARSITY:.0%} <= {MEMORY_GOAL}x dense: forward CSR "
+            f"{memory:.3f}x {'PASS' if memory <= MEMORY_GOAL else 'FAIL'}; both orientations "
+            f"{both:.3f}x {'PASS' if both <= MEMORY_GOAL else 'FAIL'}"
+        )
+    for executor in executors.values():
+        executor.remove()
+    print(f"\nload average after the run: {load_average()}")
+
+
+if __name__ == "__main__":
+    main()

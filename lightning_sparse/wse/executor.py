@@ -1,0 +1,381 @@
+"""The module that executes a sparse layer on the emulated wafer-scale device.
+
+`install_executor(model)` turns every `nn.Linear` of ``model`` (exact type) into a `WSELinear` by
+swapping its class in place (``module.__class__ = WSELinear``). `WSELinear` subclasses
+`nn.Linear` and overrides only ``forward``, so parameters, buffers, ``state_dict`` keys, hooks,
+the optimizer's references and the algorithms' `SparseParameter` references all stay the same
+objects; `WSEExecutor.remove` swaps the class back. Nothing else is patched: no optimizer method,
+no algorithm, no forward hook.
+
+`WSELinear.forward` reads the mask where the algorithms keep it, the ``weight_mask`` buffer:
+
+- no mask: ``F.linear(x, weight, bias)``, the very call `nn.Linear.forward` makes (bit-identical).
+- a mask: `sparse_linear` on a cached `CSRWeight`. The cache is keyed on the mask tensor object
+  and its ``_version`` counter, which every in-place write bumps (``copy_`` in a mask update,
+  ``load_state_dict``), so the structure is rebuilt exactly when a mask may have changed. A bump
+  whose content is unchanged (DDP's buffer broadcast, reloading the same masks) costs one
+  comparison, not a rebuild. A mask that appears later (an algorithm applied after installation,
+  `register_masks` for inference) is picked up by the next forward.
+- a mask, and an algorithm owning this weight has ``dense_grad_needed`` set (the backward of a
+  RigL/GraNet update step): forward and input gradient stay sparse, and the weight gradient is the
+  full dense ``grad_Y^T X`` (the gradient `nn.Linear` gives), for the algorithm to score growth.
+
+Masked modules the device cannot run in CSR (an `nn.Embedding`, a `Conv2d`, an `nn.Linear`
+subclass with its own forward, inputs under autocast or in a dtype other than float32/float64)
+run their usual dense forward on weights that are zero at pruned positions, which is exactly
+masked dense training; each such module warns once.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_sparse.algorithms.base import SparsityAlgorithm, algorithms_of
+from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.kernels import PATHS, sparse_linear
+from lightning_sparse.wse.stats import LayerMemory, WSEStats
+
+__all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
+
+_MASK = "weight_mask"
+_CSR_DTYPES = (torch.float32, torch.float64)
+# Per-layer state lives beside the module, not in it, so deepcopy/pickle of a model never drags
+# the executor along (a copy runs as a plain nn.Linear) and removal leaves no attribute behind.
+_STATE: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class WSELinear(nn.Linear):
+    """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        state = _STATE.get(self)
+        if state is None:
+            return F.linear(input, self.weight, self.bias)
+        return state.run(self, input)
+
+
+class WSEExecutor:
+    """The executor installed on one model: its layers, statistics and kernel path.
+
+    Args:
+        root: the model (its algorithms are found with `algorithms_of` on its modules).
+        stats: where FLOPs, memory and rebuilds are recorded.
+        path: `sparse_linear` path ("auto", "compiled", "torch", "dense"); None follows the
+            ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
+    """
+
+    def __init__(self, root: nn.Module, stats: WSEStats, path: str | None) -> None:
+        if path is not None and path != "auto" and path not in PATHS:
+            raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
+        self._root = weakref.ref(root)
+        self.stats = stats
+        self.path = path
+        self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The `WSELinear` modules this executor runs."""
+        return [m for m in self._layers if _owner(m) is self]
+
+    def remove(self) -> None:
+        """Give every layer back its `nn.Linear` class and drop the cached CSR structures."""
+        for module in list(self._layers):
+            if _owner(module) is self:
+                del _STATE[module]
+                if type(module) is WSELinear:
+                    module.__class__ = nn.Linear
+        self._layers = weakref.WeakSet()
+
+    def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]:
+        """Algorithms that sparsify ``module.weight`` (read at each structure rebuild)."""
+        root = self._root()
+        if root is None:
+            return []
+        found: list[SparsityAlgorithm] = []
+        for sub in root.modules():
+            for algorithm in algorithms_of(sub):
+                if algorithm not in found and any(
+                    sp.module is module and sp.param_name == "weight"
+                    for sp in algorithm.sparse_params.values()
+                ):
+                    found.append(algorithm)
+        return found
+
+    def check_fallbacks(self) -> None:
+        """Warn once per masked module that runs dense because it is not an `nn.Linear`."""
+        root = self._root()
+        if root is None:
+            return
+        for name, module in root.named_modules():
+            if isinstance(module, WSELinear) and _owner(module) is self:
+                masks = [k for k in module._buffers if k.endswith("_mask") and k != _MASK]
+                masks = [k for k in masks if k[: -len("_mask")] != "bias"]
+            else:
+                params = set(module._parameters)
+                masks = [k for k in module._buffers if k.endswith("_mask") and k[:-5] in params]
+            if masks:
+                _warn_once(
+                    module,
+                    f"lightning_sparse.wse: {name or type(module).__name__!r} "
+                    f"({type(module).__name__}) has masks {masks} but the WSE runs only "
+                    "nn.Linear weights in CSR; it runs dense on its pruned weights (same numbers "
+                    "as masked dense training, dense FLOPs).",
+                )
+
+    def __repr__(self) -> str:
+        return f"WSEExecutor(layers={len(self.layers)}, path={self.path!r})"
+
+
+class _LayerState:
+    """Cached CSR structure of one layer and the key it was built for."""
+
+    def __init__(self, executor: WSEExecutor, name: str) -> None:
+        self.executor = executor
+        self.name = name
+        self.csr: CSRWeight | None = None
+        self.mask: Tensor | None = None  # the tensor the cache was built from
+        self.version = -1
+        self.owners: list[weakref.ref[SparsityAlgorithm]] = []
+
+    def run(self, module: WSELinear, x: Tensor) -> Tensor:
+        weight, bias = module.weight, module.bias
+        mask = module._buffers.get(_MASK)
+        if mask is None:
+            if self.csr is not None:  # densified: forget the structure
+                self.csr, self.mask = None, None
+                self.executor.stats.forget_layer(self.name)
+            y = F.linear(x, weight, bias)
+            self._record(x, y, weight, weight.numel(), dense_grad=False)
+            return y
+        if not _csr_supported(x, weight):
+            _warn_once(
+                module,
+                f"lightning_sparse.wse: {self.name!r} gets a {x.dtype} input "
+                f"(weight {weight.dtype}, autocast "
+                f"{torch.is_autocast_enabled(x.device.type)}); the CSR kernels run float32/"
+                "float64 without autocast, so this layer runs dense (same numbers as masked "
+                "dense training).",
+            )
+            return F.linear(x, weight, bias)
+        csr = self.structure(module, mask)
+        dense_grad = (
+            torch.is_grad_enabled()
+            and weight.requires_grad
+            and any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
+        )
+        path = self.executor.path
+        if dense_grad:
+            y = sparse_linear(x, weight.detach(), csr, bias, path=path)
+            y = _DenseWeightGrad.apply(y, x, weight)
+        else:
+            y = sparse_linear(x, weight, csr, bias, path=path)
+        self._record(x, y, weight, csr.nnz, dense_grad)
+        return y
+
+    def structure(self, module: WSELinear, mask: Tensor) -> CSRWeight:
+        """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed."""
+        csr = self.csr
+        # A structure built under inference_mode holds inference tensors, which autograd may not
+        # save for backward: rebuild it for training.
+        usable = csr is not None and (
+            not csr.mask.is_inference() or torch.is_inference_mode_enabled()
+        )
+        version = _version_of(mask)
+        if usable and mask is self.mask and version == self.version and version >= 0:
+            return csr
+        if (
+            usable
+            and csr.mask.shape == mask.shape
+            and csr.mask.device == mask.device
+            and torch.equal(csr.mask, mask)
+        ):
+            self.mask, self.version = mask, version  # written, but unchanged
+            return csr
+        start = time.perf_counter()
+        csr = CSRWeight.from_dense(module.weight.detach(), mask)
+        seconds = time.perf_counter() - start
+        self.csr, self.mask, self.version = csr, mask, version
+        self.owners = [weakref.ref(a) for a in self.executor.owners_of(module)]
+        out_features, in_features = csr.shape
+        memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
+        self.executor.stats.add_rebuild(self.name, seconds, memory)
+        self.executor.check_fallbacks()
+        return csr
+
+    def _record(self, x: Tensor, y: Tensor, weight: Tensor, nnz: int, dense_grad: bool) -> None:
+        out_features, in_features = weight.shape
+        tokens = x.numel() // in_features if in_features else 0
+        numel = out_features * in_features
+        stats = self.executor.stats
+        stats.add_flops("forward", 2 * tokens * nnz, 2 * tokens * numel)
+        if y.requires_grad:
+            y.register_hook(
+                _BackwardCounter(
+                    stats, tokens, nnz, numel, x.requires_grad, weight.requires_grad, dense_grad
+                )
+            )
+
+
+class _BackwardCounter:
+    """Tensor hook on a layer's output: counts the backward matmuls when its gradient arrives."""
+
+    def __init__(
+        self,
+        stats: WSEStats,
+        tokens: int,
+        nnz: int,
+        numel: int,
+        input_grad: bool,
+        weight_grad: bool,
+        dense_grad: bool,
+    ) -> None:
+        self.args = (stats, tokens, nnz, numel, input_grad, weight_grad, dense_grad)
+
+    def __call__(self, grad: Tensor) -> None:
+        stats, tokens, nnz, numel, input_grad, weight_grad, dense_grad = self.args
+        if input_grad:
+            stats.add_flops("input_grad", 2 * tokens * nnz, 2 * tokens * numel)
+        if weight_grad:
+            if dense_grad:
+                stats.add_flops("dense_weight_grad", 2 * tokens * numel, 2 * tokens * numel)
+            else:
+                stats.add_flops("weight_grad", 2 * tokens * nnz, 2 * tokens * numel)
+
+
+class _DenseWeightGrad(torch.autograd.Function):
+    """Identity on a layer's output ``y`` whose backward also gives ``weight`` the dense gradient
+    ``grad_Y^T X`` (what `nn.Linear` computes), while ``y`` itself came from the sparse kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_y, None, grad_w
+
+
+def install_executor(
+    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+) -> WSEExecutor:
+    """Run ``model``'s masked `nn.Linear` layers in CSR from now on (see the module docstring).
+
+    Args:
+        model: any module; every submodule of exact type `nn.Linear` (``model`` itself included)
+            becomes a `WSELinear`. Layers another executor ran are taken over.
+        stats: where to record FLOPs, memory and rebuilds (default: a new `WSEStats`).
+        path: `sparse_linear` path, see `WSEExecutor`.
+
+    Returns:
+        The executor; ``executor.remove()`` undoes the installation.
+
+    Raises:
+        ValueError: on an unknown ``path``.
+    """
+    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path)
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear:
+            module.__class__ = WSELinear
+        if type(module) is WSELinear:
+            _STATE[module] = _LayerState(executor, name)
+            executor._layers.add(module)
+    executor.check_fallbacks()
+    return executor
+
+
+@contextmanager
+def on_wse(
+    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+) -> Iterator[WSEExecutor]:
+    """``with on_wse(model) as executor:`` runs ``model`` on the device inside the block.
+
+    Example (inference from a sparse checkpoint without its algorithm)::
+
+        register_masks(lit, checkpoint["state_dict"])
+        lit.load_state_dict(checkpoint["state_dict"])
+        with on_wse(lit):
+            tokens = lit.model.generate(prompt, max_new_tokens=32, temperature=0)
+    """
+    executor = install_executor(model, stats=stats, path=path)
+    try:
+        yield executor
+    finally:
+        executor.remove()
+
+
+def register_masks(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    """Register the ``<param>_mask`` buffers a sparse state dict has and ``model`` lacks.
+
+    After this, ``model.load_state_dict(state_dict)`` loads the masks with the weights, so a
+    sparse checkpoint runs in CSR for inference without re-creating its sparsity algorithm.
+
+    Args:
+        model: the module the state dict belongs to (a LightningModule for a Lightning
+            checkpoint's ``state_dict``).
+        state_dict: holds ``<name>`` and ``<name>_mask`` entries.
+
+    Returns:
+        The mask keys registered, in state-dict order.
+
+    Raises:
+        ValueError: if a mask's shape differs from its parameter's.
+    """
+    params = dict(model.named_parameters())
+    added = []
+    for key, value in state_dict.items():
+        name = key[: -len("_mask")]
+        if not key.endswith("_mask") or name not in params:
+            continue
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if f"{attr}_mask" in module._buffers:
+            continue
+        if tuple(value.shape) != tuple(params[name].shape):
+            raise ValueError(
+                f"mask {key!r} has shape {tuple(value.shape)} but {name!r} has shape "
+                f"{tuple(params[name].shape)}; the state dict is from another model"
+            )
+        mask = torch.zeros(params[name].shape, dtype=torch.bool, device=params[name].device)
+        module.register_buffer(f"{attr}_mask", mask, persistent=True)
+        added.append(key)
+    return added
+
+
+def _owner(module: nn.Module) -> WSEExecutor | None:
+    state = _STATE.get(module)
+    return None if state is None else state.executor
+
+
+def _version_of(mask: Tensor) -> int:
+    # Inference tensors have no version counter: -1 makes every call compare the content.
+    return -1 if mask.is_inference() else mask._version
+
+
+def _csr_supported(x: Tensor, weight: Tensor) -> bool:
+    return (
+        x.dtype == weight.dtype
+        and x.dtype in _CSR_DTYPES
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def _warn_once(module: nn.Module, message: str) -> None:
+    if module in _WARNED:
+        return
+    _WARNED.add(module)
+    warnings.warn(message, UserWarning, stacklevel=3)

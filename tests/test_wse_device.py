@@ -1,0 +1,515 @@
+"""The emulated wafer-scale device (``accelerator="wse"``) against the CPU accelerator.
+
+The device must train exactly like masked dense training: bit-identical without a sparsity
+callback; with one, losses, gradients (the dense gradient on RigL/GraNet update steps included),
+weights and masks equal to ``accelerator="cpu"`` to float64 rounding, for every algorithm, AdamW
+and SGD, with gradient accumulation; checkpoints move between the two; two systems under
+``"wse_ddp"`` equal one CPU process; FLOP statistics follow the nonzeros (hand counts).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import DeviceStatsMonitor
+from lightning.pytorch.loggers import Logger
+from torch import nn
+
+from lightning_sparse import GMP, SET, GraNet, RigL, SparsityAlgorithm, Static
+from lightning_sparse.models import LitCausalLM
+from lightning_sparse.models.llama import Llama, LlamaConfig, generate
+from lightning_sparse.wse import (
+    WSEAccelerator,
+    WSELinear,
+    WSEStrategy,
+    compiled_available,
+    install_executor,
+    on_wse,
+    register_masks,
+)
+from tests.helpers import TinyLM, repeated_batch_loader, token_loader
+from tests.scripts import lightning_ddp
+
+REPO = Path(__file__).resolve().parents[1]
+# Tests run the CSR kernels themselves: "auto" could pick the dense path for these tiny layers.
+PATH = "compiled" if compiled_available() else "torch"
+STEPS = 10
+pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Any:
+    """Tiny layers: a parallel region only adds scheduler waits on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class TinyLlamaLM(pl.LightningModule):
+    """Next-token loss of a two-block float64 Llama on 16 token ids."""
+
+    def __init__(self, optimizer: str = "adamw", dtype: torch.dtype = torch.float64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        cfg = LlamaConfig.from_preset("tiny", vocab_size=16, max_seq_len=16)
+        self.model = Llama(cfg).to(dtype)
+        self.optimizer = optimizer
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        logits = self.model(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class Recorder(pl.Callback):
+    """Losses per batch and sparse-weight gradients per optimizer step, seen before the sparsity
+    callback's ``on_before_optimizer_step`` (list it first), so RigL's dense gradient shows."""
+
+    def __init__(self) -> None:
+        self.losses: list[torch.Tensor] = []
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, *a: Any):
+        self.losses.append(outputs["loss"].detach().clone())
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any):
+        self.grads.append(
+            {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+        )
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    name = "memory"
+    version = 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def _trainer(accelerator: Any, callbacks: list, **kwargs: Any) -> pl.Trainer:
+    defaults = dict(
+        devices=1,
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    return pl.Trainer(accelerator=accelerator, callbacks=callbacks, **{**defaults, **kwargs})
+
+
+def _fit(
+    accelerator: Any,
+    make_algorithm: Any = None,
+    optimizer: str = "adamw",
+    accumulate: int = 1,
+    dtype: torch.dtype = torch.float64,
+    loader: Any = None,
+) -> dict[str, Any]:
+    module = TinyLlamaLM(optimizer, dtype)
+    recorder = Recorder()
+    algorithm = make_algorithm() if make_algorithm else None
+    callbacks = [recorder] + ([algorithm] if algorithm else [])
+    trainer = _trainer(accelerator, callbacks, accumulate_grad_batches=accumulate)
+    trainer.fit(module, loader if loader is not None else token_loader(n=64 * accumulate))
+    return {
+        "losses": torch.stack(recorder.losses),
+        "grads": recorder.grads,
+        "state": {k: v.clone() for k, v in module.state_dict().items()},
+        "algorithm": algorithm,
+        "trainer": trainer,
+        "module": module,
+    }
+
+
+def _wse() -> WSEAccelerator:
+    return WSEAccelerator(kernel_path=PATH)
+
+
+# ------------------------------------------------------------------ registration, no sparsity
+def test_names_registered_for_python_and_yaml() -> None:
+    from lightning.pytorch.cli import LightningCLI
+
+    trainer = pl.Trainer(accelerator="wse", logger=False)
+    assert isinstance(trainer.accelerator, WSEAccelerator)
+    trainer = pl.Trainer(strategy="wse", logger=False)  # strategy alone selects the device
+    assert isinstance(trainer.strategy, WSEStrategy)
+    assert isinstance(trainer.accelerator, WSEAccelerator)
+    trainer = pl.Trainer(strategy="wse_ddp", devices=2, logger=False)
+    assert isinstance(trainer.accelerator, WSEAccelerator)
+    assert trainer.strategy.process_group_backend == "gloo"
+    cli = LightningCLI(
+        TinyLM,
+        run=False,
+        args=["--trainer.accelerator=wse", "--trainer.logger=false"],
+    )
+    assert isinstance(cli.trainer.accelerator, WSEAccelerator)
+
+
+def test_without_sparsity_bit_identical_to_cpu_and_layers_restored() -> None:
+    cpu = _fit("cpu", dtype=torch.float32)
+    wse = _fit(_wse(), dtype=torch.float32)
+    assert torch.equal(cpu["losses"], wse["losses"])
+    assert cpu["state"].keys() == wse["state"].keys()
+    for key, value in cpu["state"].items():
+        assert torch.equal(value, wse["state"][key]), key
+    # Teardown gave every layer its class back; the device counted dense work only.
+    assert not any(isinstance(m, WSELinear) for m in wse["module"].modules())
+    stats = wse["trainer"].accelerator.stats.as_dict()
+    assert stats["total_flops_executed"] == stats["total_flops_dense"] > 0
+
+
+# ------------------------------------------------------------------ equality with the CPU
+ALGORITHMS = {
+    "static": lambda: Static(0.75, seed=1),
+    "gmp": lambda: GMP(
+        {"type": "cubic", "init": 0.0, "final": 0.7, "begin": 0, "end": 8}, update={"freq": 2}
+    ),
+    "set": lambda: SET(0.75, update={"freq": 3}, drop_fraction=0.3, seed=1),
+    "rigl": lambda: RigL(0.75, update={"freq": 3}, drop_fraction=0.3, seed=1),
+    "granet": lambda: GraNet(
+        {"type": "cubic", "init": 0.3, "final": 0.8, "begin": 0, "end": 8},
+        update={"freq": 2},
+        drop_fraction=0.3,
+    ),
+}
+CASES = [
+    ("static", "sgd", 1),
+    ("static", "adamw", 2),
+    ("gmp", "adamw", 1),
+    ("gmp", "sgd", 2),
+    ("set", "sgd", 1),
+    ("set", "adamw", 2),
+    ("rigl", "adamw", 1),
+    ("rigl", "sgd", 2),
+    ("granet", "adamw", 2),
+    ("granet", "sgd", 1),
+]
+
+
+def _assert_same_training(cpu: dict[str, Any], wse: dict[str, Any]) -> None:
+    tol = dict(rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(wse["losses"], cpu["losses"], **tol)
+    assert len(wse["grads"]) == len(cpu["grads"]) == STEPS
+    for step, (g_cpu, g_wse) in enumerate(zip(cpu["grads"], wse["grads"], strict=True)):
+        for name, grad in g_cpu.items():
+            torch.testing.assert_close(g_wse[name], grad, **tol, msg=f"grad {name} @ {step}")
+    for key, value in cpu["state"].items():
+        if key.endswith("_mask"):
+            assert torch.equal(wse["state"][key], value), key
+        else:
+            torch.testing.assert_close(wse["state"][key], value, **tol, msg=key)
+
+
+@pytest.mark.parametrize(("kind", "optimizer", "accumulate"), CASES)
+def test_training_matches_cpu(kind: str, optimizer: str, accumulate: int) -> None:
+    cpu = _fit("cpu", ALGORITHMS[kind], optimizer, accumulate)
+    wse = _fit(_wse(), ALGORITHMS[kind], optimizer, accumulate)
+    _assert_same_training(cpu, wse)
+    algorithm: SparsityAlgorithm = wse["algorithm"]
+    assert algorithm.step == STEPS
+    stats = wse["trainer"].accelerator.stats
+    updates = [s for s in range(STEPS) if kind != "static" and algorithm.is_update_step(s)]
+    # Dense weight gradients exactly on RigL/GraNet update steps, and nowhere else.
+    assert stats.dense_grad_steps == (len(updates) if kind in ("rigl", "granet") else 0)
+    # Sparse layers executed fewer FLOPs than dense; every mask change rebuilt the structures.
+    assert stats.total_flops["forward"][0] < stats.total_flops["forward"][1]
+    assert stats.total_rebuilds >= 14  # 14 masked layers, built at least once
+    if kind in ("set", "rigl"):  # an update inside the last step has no forward after it
+        assert stats.total_rebuilds == 14 * (1 + len([s for s in updates if s < STEPS - 1]))
+
+
+def test_rebuilds_follow_mask_updates_and_stats_are_logged() -> None:
+    logger = MemoryLogger()
+    module = TinyLlamaLM("sgd")
+    callbacks = [ALGORITHMS["rigl"](), DeviceStatsMonitor()]
+    trainer = _trainer(_wse(), callbacks, logger=logger, log_every_n_steps=1, max_steps=7)
+    trainer.fit(module, token_loader())
+    rows = [m for _, m in logger.rows if "wse/rebuilds" in m]
+    assert len(rows) == 7
+    # Lightning's DeviceStatsMonitor logs the accelerator's get_device_stats (the closed step).
+    device = [m for _, m in logger.rows if "DeviceStatsMonitor.on_train_batch_end/flops_ratio" in m]
+    assert (
+        len(device) == 7 and 0 < device[-1]["DeviceStatsMonitor.on_train_batch_end/flops_ratio"] < 1
+    )
+    # Built at the first step; rebuilt in the step after each update (updates at steps 3, 6).
+    assert [r["wse/rebuilds"] for r in rows] == [14, 0, 0, 0, 14, 0, 0]
+    dense_grad_steps = [i for i, r in enumerate(rows) if r["wse/flops_dense_weight_grad"] > 0]
+    assert dense_grad_steps == [3, 6]
+    for r in rows:
+        assert r["wse/weight_bytes_ratio_forward"] < r["wse/weight_bytes_ratio_both"] < 1
+        assert 0 < r["wse/flops_ratio"] < 1
+
+
+# ------------------------------------------------------------------ checkpoints
+@pytest.mark.parametrize(("first", "second"), [("wse", "cpu"), ("cpu", "wse")])
+def test_checkpoint_moves_between_cpu_and_wse(first: str, second: str, tmp_path: Path) -> None:
+    def accelerator(name: str) -> Any:
+        return _wse() if name == "wse" else "cpu"
+
+    module = TinyLlamaLM()
+    algorithm = ALGORITHMS["rigl"]()
+    trainer = _trainer(accelerator(first), [algorithm], max_steps=5)
+    trainer.fit(module, repeated_batch_loader())
+    path = tmp_path / "half.ckpt"
+    trainer.save_checkpoint(path)
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    assert not any(isinstance(m, WSELinear) for m in module.modules())
+    assert all(k in torch.load(path, weights_only=False)["state_dict"] for k in saved)
+
+    class Restored(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+    resumed, restored = TinyLlamaLM(), Restored()
+    trainer = _trainer(accelerator(second), [ALGORITHMS["rigl"](), restored], max_steps=STEPS)
+    trainer.fit(resumed, repeated_batch_loader(), ckpt_path=path)
+    for key, value in saved.items():  # restored bit-exactly on the other accelerator
+        assert torch.equal(restored.state[key], value), key
+    straight = _fit("cpu", ALGORITHMS["rigl"], loader=repeated_batch_loader())["state"]
+    for key, value in straight.items():  # and the rest of the run as if uninterrupted
+        if key.endswith("_mask"):
+            assert torch.equal(resumed.state_dict()[key], value), key
+        else:
+            torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-9, atol=1e-12)
+
+
+# ------------------------------------------------------------------ a cluster of two systems
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_systems_equal_one_cpu_process(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OMP_NUM_THREADS="1",
+        WSE_TEST_KERNEL_PATH=PATH,
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "tests" / "scripts" / "wse_ddp.py"), str(tmp_path)],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"wse_ddp run did not finish:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"wse_ddp run failed:\n{output[-6000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for kind in lightning_ddp.KINDS:
+        single = lightning_ddp.fit(kind, devices=1)  # one CPU process, the global batch
+        runs = [rank[kind] for rank in ranks]
+        assert [r["rank"] for r in runs] == [0, 1]
+        for r, run in enumerate(runs):
+            assert (run["world_size"], run["backend"]) == (2, "gloo")
+            assert run["accelerator"] == "WSEAccelerator"
+            assert run["linear_classes"] == ["Linear"]  # restored after fit
+            assert run["stats"]["total_flops_executed"] < run["stats"]["total_flops_dense"]
+            assert sorted(run["history"]) == sorted(single["history"]), f"rank {r}"
+            for step, masks in single["history"].items():
+                for name, mask in masks.items():
+                    assert torch.equal(run["history"][step][name], mask), (r, kind, name, step)
+            for name, mask in single["masks"].items():
+                assert torch.equal(run["masks"][name], mask), (r, kind, name)
+            for name, w in single["weights"].items():
+                torch.testing.assert_close(run["weights"][name], w, atol=1e-10, rtol=0)
+                assert torch.equal(run["weights"][name], runs[0]["weights"][name]), (r, name)
+
+
+# ------------------------------------------------------------------ statistics by hand
+def test_flops_hand_count_and_masks_appearing_later() -> None:
+    """Linear 4x6 with 7 kept weights, 3 tokens: forward, input grad and weight grad each
+    2 * 3 * 7 = 42 FLOPs (dense: 2 * 3 * 24 = 144); a RigL update step's weight grad is dense."""
+    torch.manual_seed(0)
+    layer = nn.Linear(6, 4, bias=False).double()
+    executor = install_executor(layer, path=PATH)
+    assert type(layer) is WSELinear
+    x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+    layer(x).sum().backward()  # no mask yet: dense
+    assert executor.stats.end_step()["flops_executed"] == 3 * 144
+
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask.view(-1)[[0, 3, 5, 8, 13, 17, 23]] = True
+    layer.register_buffer("weight_mask", mask)  # appears after installation
+    with torch.no_grad():
+        layer.weight.mul_(mask)
+    layer.weight.grad = None
+    y = layer(x)
+    y.sum().backward()
+    figures = executor.stats.end_step()
+    assert (figures["flops_forward"], figures["flops_forward_dense"]) == (42, 144)
+    assert (figures["flops_input_grad"], figures["flops_input_grad_dense"]) == (42, 144)
+    assert (figures["flops_weight_grad"], figures["flops_weight_grad_dense"]) == (42, 144)
+    assert figures["flops_dense_weight_grad"] == 0 and figures["rebuilds"] == 1
+    torch.testing.assert_close(y, F.linear(x, layer.weight * mask))
+    assert torch.all(layer.weight.grad[~mask] == 0)
+    memory = executor.stats.memory_dict()  # 7 * (8 + 4) + 5 * 4 values/cols/rows; + 7*8 + 7*4
+    assert (memory["weight_bytes_dense"], memory["weight_bytes_csr_forward"]) == (192, 104)
+    assert memory["weight_bytes_csr_both"] == 104 + 56 + 28
+    executor.remove()
+    assert type(layer) is nn.Linear and "weight_mask" in dict(layer.named_buffers())
+
+    # RigL (keep int(0.3 * 24) = 7): step 1 is an update step, its backward's weight grad dense.
+    layer = nn.Linear(6, 4, bias=False).double()
+    rigl = RigL(0.7, update={"freq": 1}, drop_fraction=0.5)
+    layer.apply(rigl)
+    optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
+    rigl.apply(optimizer)
+    with on_wse(layer, path=PATH) as executor:
+        for step in range(2):
+            x = torch.randn(3, 6, dtype=torch.float64, requires_grad=True)
+            optimizer.zero_grad()
+            layer(x).sum().backward()
+            if step == 1:  # the dense gradient reached the update, equal to grad_Y^T X
+                torch.testing.assert_close(layer.weight.grad, torch.ones(4, 3).double() @ x)
+            optimizer.step()
+            figures = executor.stats.end_step()
+            assert (figures["flops_forward"], figures["flops_input_grad"]) == (42, 42)
+            expected = (0, 144) if step == 1 else (42, 0)
+            assert (figures["flops_weight_grad"], figures["flops_dense_weight_grad"]) == expected
+    assert type(layer) is nn.Linear
+
+
+# ------------------------------------------------------------------ bad input, fallbacks
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
+def test_unsupported_precision_is_a_clear_error(precision: str) -> None:
+    with pytest.raises(ValueError, match="does not support precision"):
+        pl.Trainer(strategy="wse", precision=precision, logger=False)
+    trainer = _trainer("wse", [Static(0.5)], precision=precision, max_steps=1)
+    with pytest.raises(ValueError, match="does not support precision"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyLlamaLM(dtype=torch.float32), token_loader())
+
+
+def test_wrong_accelerator_or_backend_for_wse_strategies() -> None:
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    from lightning_sparse.wse import WSEDDPStrategy
+
+    with pytest.raises(ValueError, match="accelerator='wse'"):
+        WSEStrategy(accelerator=CUDAAccelerator())
+    with pytest.raises(ValueError, match="gloo"):
+        WSEDDPStrategy(process_group_backend="nccl")
+    with pytest.raises(ValueError, match="kernel_path"):
+        WSEAccelerator(kernel_path="fast")
+
+
+class ConvEmbedNet(pl.LightningModule):
+    """A masked Conv2d and a masked Embedding (the device cannot run them in CSR) beside a
+    masked Linear (it can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8).double()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1).double()
+        self.fc = nn.Linear(8 * 4 * 8, 16).double()
+
+    def training_step(self, batch: tuple[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        h = self.conv(self.embed(tokens[:, :8]).unsqueeze(1))  # [B, 4, 8, 8]
+        return F.cross_entropy(self.fc(h.flatten(1)), tokens[:, 8])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_masked_conv_and_embedding_fall_back_to_dense_with_one_warning() -> None:
+    def fit(accelerator: Any) -> tuple[dict[str, torch.Tensor], list[str]]:
+        module = ConvEmbedNet()
+        algorithm = RigL(
+            0.6, update={"freq": 2}, param_filter=["embed.weight", "conv.weight", "fc.weight"]
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trainer(accelerator, [algorithm], max_steps=6).fit(module, token_loader())
+        ours = [str(w.message) for w in caught if "lightning_sparse.wse" in str(w.message)]
+        return {k: v.clone() for k, v in module.state_dict().items()}, ours
+
+    cpu, none = fit("cpu")
+    wse, warned = fit(_wse())
+    assert none == []
+    assert len(warned) == 2, warned  # once per module, not once per step
+    assert any("'embed'" in w for w in warned) and any("'conv'" in w for w in warned)
+    for key, value in cpu.items():
+        if key.endswith("_mask"):
+            assert torch.equal(wse[key], value), key
+        else:
+            torch.testing.assert_close(wse[key], value, rtol=1e-9, atol=1e-12, msg=key)
+
+
+# ------------------------------------------------------------------ inference
+def test_predict_and_generate_from_a_sparse_checkpoint_run_in_csr(tmp_path: Path) -> None:
+    def lit() -> LitCausalLM:
+        torch.manual_seed(0)
+        tiny = dict(vocab_size=16, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
+        return LitCausalLM(**tiny, max_new_tokens=6, temperature=0.0).double()
+
+    module = lit()
+    module.apply(Static(0.8, param_filter="*layers.*_proj.weight"))
+    path = tmp_path / "sparse.ckpt"
+    checkpoint = {"state_dict": module.state_dict(), "pytorch-lightning_version": pl.__version__}
+    torch.save(checkpoint, path)  # what a sparse run's checkpoint holds for inference
+    prompts = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(prompts), batch_size=1)
+
+    def predict(accelerator: Any) -> tuple[torch.Tensor, Any]:
+        trainer = _trainer(accelerator, [Static(0.8, param_filter="*layers.*_proj.weight")])
+        out = trainer.predict(lit(), loader, ckpt_path=path)
+        return torch.cat(out), trainer
+
+    cpu, _ = predict("cpu")
+    wse, trainer = predict(_wse())
+    assert torch.equal(cpu, wse)
+    stats = trainer.accelerator.stats
+    assert stats.total_flops["forward"][0] < 0.5 * stats.total_flops["forward"][1]
+    assert stats.total_rebuilds == 14
+
+    # Without the algorithm: register the checkpoint's masks, load, generate batch-1 on the device.
+    state = torch.load(path, weights_only=False)["state_dict"]
+    plain = lit()
+    assert len(register_masks(plain, state)) == 14
+    plain.load_state_dict(state)
+    reference = generate(plain.model, prompts[:1], 6, 16, temperature=0.0)
+    with on_wse(plain, path=PATH) as executor:
+        tokens = plain.model.generate(prompts[:1], max_new_tokens=6, temperature=0.0)
+    assert torch.equal(tokens, reference) and torch.equal(tokens, cpu[:1])
+    forward = executor.stats.total_flops["forward"]
+    assert executor.stats.total_rebuilds == 14 and forward[0] < 0.5 * forward[1]

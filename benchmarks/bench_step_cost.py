@@ -24,47 +24,35 @@ in the plain loop and under Lightning. The benchmark exits 0 whether or not the 
 from __future__ import annotations
 
 import argparse
-import datetime
-import logging
-import os
-import platform
-import statistics
-import sys
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
-import torch.nn.functional as F
+from _harness import (
+    LR,
+    LlamaConfig,
+    PlainRun,
+    adamw,
+    build_model,
+    load_average,
+    machine_facts,
+    make_batches,
+    median_ms,
+    print_phases,
+    print_ratio_table,
+    quiet,
+    run_interleaved,
+)
 from torch import nn
+from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
-
-import lightning  # noqa: E402
-import lightning.pytorch as pl  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
-
-from lightning_sparse.algorithms.static import Static  # noqa: E402
-from lightning_sparse.models.lit_lm import LitCausalLM  # noqa: E402
-from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
+from lightning_sparse.algorithms.static import Static
+from lightning_sparse.models.lit_lm import LitCausalLM
 
 SPARSITY = 0.8
 GOAL = 1.03
-LR = 1e-3
-PHASES = ("forward", "backward", "optimizer")
-
-
-def adamw(params: Iterable[torch.Tensor], fused: bool) -> torch.optim.AdamW:
-    """The optimizer of every variant: PyTorch's default AdamW, or its fused kernel."""
-    return torch.optim.AdamW(params, lr=LR, **({"fused": True} if fused else {}))
-
-
-def build_model(cfg: LlamaConfig, seed: int) -> Llama:
-    torch.manual_seed(seed)  # same seed, same initial weights in every variant
-    return Llama(cfg)
 
 
 def sparse_names(model: nn.Module) -> list[str]:
@@ -84,53 +72,7 @@ def zero_fraction(model: nn.Module, names: list[str]) -> float:
     return zeros / total
 
 
-def lm_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of batch [B, T + 1], as `LitCausalLM.loss` computes it."""
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten())
-
-
 # ---------------------------------------------------------------------- plain PyTorch variants
-class PlainRun:
-    """A plain training loop; `step(batch)` runs one optimizer step and returns its seconds.
-
-    Args:
-        model: the model, already sparsified (or prepared) if the variant needs it.
-        optimizer: AdamW over the model's parameters, with any sparsity hooks installed.
-        after_step: called after every optimizer step inside the timed region (torch.ao's
-            ``sparsifier.step()``).
-    """
-
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        after_step: Callable[[], Any] | None = None,
-    ) -> None:
-        self.net, self.optimizer, self.after_step = model, optimizer, after_step
-        self.phases: list[tuple[float, float, float]] = []  # seconds per step, as PHASES
-
-    def step(self, batch: torch.Tensor) -> float:
-        start = time.perf_counter()
-        # 1. forward
-        loss = lm_loss(self.net, batch)
-        forward = time.perf_counter()
-        # 2. backward (a sparse variant's post-accumulate-grad hooks run here)
-        loss.backward()
-        backward = time.perf_counter()
-        # 3. optimizer step (Static's step pre/post hooks run inside it), then clear gradients
-        self.optimizer.step()
-        if self.after_step is not None:
-            self.after_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        end = time.perf_counter()
-        self.phases.append((forward - start, backward - forward, end - backward))
-        return end - start
-
-    def close(self) -> None:
-        pass
-
-
 def plain_dense(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
     model = build_model(cfg, seed)
     return PlainRun(model, adamw(model.parameters(), fused))
@@ -261,60 +203,9 @@ class LightningRun:
 
 
 # ---------------------------------------------------------------------- driver and report
-def machine_facts() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return (
-        f"date {datetime.datetime.now().isoformat(timespec='seconds')}; CPU {cpu!r}, {cores} "
-        f"cores visible, torch threads {torch.get_num_threads()}; load average {load_average()}\n"
-        f"python {platform.python_version()}, torch {torch.__version__}, lightning "
-        f"{lightning.__version__}"
-    )
-
-
-def load_average() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-
-
-def run_interleaved(
-    runs: dict[str, PlainRun | LightningRun],
-    batches: list[torch.Tensor],
-    warmup: int,
-    steps: int,
-) -> dict[str, list[float]]:
-    """Warm up every run, then time ``steps`` rounds of one step each, rotating the order."""
-    names = list(runs)
-    for i in range(warmup):
-        for name in names:
-            runs[name].step(batches[i])
-    for run in runs.values():
-        if isinstance(run, PlainRun):
-            run.phases.clear()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(steps):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            times[name].append(runs[name].step(batches[warmup + r]))
-    return times
-
-
 def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
-    med = {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
-    low = {name: 1e3 * min(ts) for name, ts in times.items()}
-    print(f"{'variant':<18} {'median ms':>10} {'ratio':>7} {'min ms':>8} {'min ratio':>9}  vs")
-    for name in times:
-        base = baseline[name]
-        print(
-            f"{name:<18} {med[name]:>10.1f} {med[name] / med[base]:>7.3f} {low[name]:>8.1f} "
-            f"{low[name] / low[base]:>9.3f}  {base}"
-        )
+    print_ratio_table(times, baseline)
+    med = {name: median_ms(ts) for name, ts in times.items()}
     print(f"\ngoal: Static / dense <= {GOAL} (plain and Lightning)")
     for name, label in (("static", "plain"), ("lightning static", "Lightning")):
         ratio = med[name] / med[baseline[name]]
@@ -322,16 +213,6 @@ def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
         print(f"  {label:<10} Static / dense = {ratio:.3f}  {verdict}")
     ratio = med["torch.ao"] / med[baseline["torch.ao"]]
     print(f"  torch.ao   WeightNormSparsifier / dense = {ratio:.3f}  (for comparison)")
-
-
-def report_phases(runs: dict[str, PlainRun | LightningRun]) -> None:
-    plain = {name: run for name, run in runs.items() if isinstance(run, PlainRun)}
-    print("\nplain loops by phase, median ms (backward includes grad hooks; optimizer includes")
-    print("step hooks, zero_grad and, for torch.ao, sparsifier.step())")
-    print(f"{'variant':<18} " + " ".join(f"{p:>10}" for p in PHASES))
-    for name, run in plain.items():
-        cols = zip(*run.phases, strict=True)
-        print(f"{name:<18} " + " ".join(f"{1e3 * statistics.median(c):>10.1f}" for c in cols))
 
 
 def main() -> None:
@@ -351,17 +232,11 @@ def main() -> None:
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
     torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")  # Lightning's dataloader-worker advice, torch.ao notices
-    for name in ("lightning.pytorch", "lightning.fabric"):  # "GPU available: ..." and such
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet()  # Lightning's "GPU available: ..." and dataloader advice, torch.ao notices
 
     cfg = LlamaConfig.from_preset(args.preset, max_seq_len=max(args.seq, 16))
-    generator = torch.Generator().manual_seed(args.seed)
     n_batches = args.warmup + args.steps
-    batches = [
-        torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=generator)
-        for _ in range(n_batches)
-    ]
+    batches = make_batches(cfg, n_batches, args.batch, args.seq, args.seed)
     print(machine_facts())
     print(
         f"model Llama preset {args.preset!r} ({build_model(cfg, args.seed).num_params() / 1e6:.2f}M"
@@ -401,7 +276,11 @@ def main() -> None:
             "lightning static": "lightning dense",
         },
     )
-    report_phases(runs)
+    print_phases(
+        {name: run for name, run in runs.items() if isinstance(run, PlainRun)},
+        "backward includes grad hooks; optimizer includes\nstep hooks, zero_grad and, for "
+        "torch.ao, sparsifier.step()",
+    )
     print(f"\nload average after the run: {load_average()}")
 
 

@@ -1,48 +1,189 @@
-"""`lightning-sparse`: the LightningCLI entry point (fit / validate / test / predict).
+"""`lightning-sparse`: LightningCLI (fit / validate / test / predict), ``compare`` and ``sweep``.
 
 With no ``--config`` it runs the default recipe, ``recipes/rigl_llama.yaml``: a small Llama
 decoder on byte-level text from the Python standard library, RigL at 80% on the decoder's linear
 layers. Any recipe, or any LightningCLI option, can be given on the command line::
 
     lightning-sparse fit                                   # the default recipe
-    lightning-sparse fit --config recipes/rigl_llama.yaml --trainer.max_steps 50
+    lightning-sparse fit --config recipes/static_llama.yaml --trainer.max_steps 50
+    lightning-sparse fit --ckpt_path last                  # resume the default recipe's run
+    lightning-sparse compare --steps 100                   # dense / static / SET / RigL / GraNet
+    lightning-sparse sweep ...                             # see lightning_sparse/sweep.py
+
+Every run gets a `SparseRunSummary` callback (options under ``summary:``). Weights & Biases runs
+offline unless an account is configured (``WANDB_API_KEY`` or an ``api.wandb.ai`` entry in
+``~/.netrc``); ``WANDB_MODE`` set by the user always wins.
 """
 
 from __future__ import annotations
 
+import netrc
+import os
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_sparse.data import ByteTextDataModule
-from lightning_sparse.models import LitCausalLM
+from lightning_sparse.algorithms.group import Group
+from lightning_sparse.configure import configure
+from lightning_sparse.summary import SparseRunSummary
 
-__all__ = ["DEFAULT_RECIPE", "RECIPES_DIR", "main"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "RECIPES_DIR",
+    "ModelZooSparsity",
+    "SparseCLI",
+    "build_args",
+    "main",
+    "run",
+    "wandb_mode",
+]
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
 DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
+LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
-def main(args: list[str] | None = None) -> LightningCLI:
-    """Run the CLI; ``args`` defaults to ``sys.argv[1:]`` and to ``["fit"]`` when empty."""
-    args = list(sys.argv[1:] if args is None else args)
-    if not args:
-        args = ["fit"]
-    has_config = any(a == "--config" or a.startswith("--config=") or a == "-c" for a in args)
-    if args[0] == "fit" and not has_config:
+class ModelZooSparsity(Group):
+    """A Cerebras ModelZoo ``sparsity:`` block as a callback, unchanged: `configure` in a Group.
+
+    In a recipe::
+
+        trainer:
+          callbacks:
+            - class_path: lightning_sparse.cli.ModelZooSparsity
+              init_args:
+                sparsity:            # the ModelZoo block, pasted as is
+                  algorithm: rigl
+                  sparsity: 0.8
+                  ...
+            # or: init_args: {sparsity: path/to/params_gpt3_125m_rigl75.yaml}
+
+    Args:
+        sparsity: a float, a dict, a list of dicts, or the path of a ModelZoo params file or of
+            a bare sparsity YAML (see `lightning_sparse.configure`).
+
+    Raises:
+        ValueError: the block asks for no sparsity (remove the callback to train dense), or
+            any error `configure` raises for a bad key or value.
+    """
+
+    def __init__(self, sparsity: float | dict[str, Any] | list[dict[str, Any]] | str) -> None:
+        super().__init__()
+        group = configure(sparsity)
+        if group is None:
+            raise ValueError(
+                f"ModelZooSparsity(sparsity={sparsity!r}) configures no sparsity (dense "
+                "training); remove this callback from trainer.callbacks to train dense"
+            )
+        self.extend(group)
+
+
+class SparseCLI(LightningCLI):
+    """LightningCLI with any LightningModule / LightningDataModule (``class_path`` in the recipe)
+    and a `SparseRunSummary` on every run (configured under ``summary:``)."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(SparseRunSummary, "summary")
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as err:
+            err.add_note(
+                "lightning-sparse: raised while building the configured objects, before any "
+                "training step; fix the recipe value named above (or its command-line override)"
+            )
+            raise
+        for logger in self.trainer.loggers:
+            if logger.save_dir:  # W&B looks for a git repository there and warns if it is missing
+                Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
+
+
+def wandb_mode() -> str:
+    """``WANDB_MODE`` if set; ``online`` when a W&B account is configured; else ``offline``.
+
+    An account is ``WANDB_API_KEY`` or a ``~/.netrc`` (``$NETRC``) entry for the W&B host
+    (``api.wandb.ai``, or the host of ``WANDB_BASE_URL``).
+    """
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        entry = netrc.netrc(os.environ.get("NETRC")).authenticators(host or "api.wandb.ai")
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        entry = None
+    return "online" if entry and entry[2] else "offline"
+
+
+def build_args(args: list[str]) -> list[str]:
+    """The LightningCLI argument list: ``fit`` when empty; the default recipe when no config.
+
+    Raises:
+        FileNotFoundError: the default recipe is needed but missing (not a source checkout).
+    """
+    args = list(args) or ["fit"]
+    has_config = any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    if args[0] in LIGHTNING_SUBCOMMANDS and not has_config:
         if not DEFAULT_RECIPE.is_file():
             raise FileNotFoundError(
                 f"default recipe {DEFAULT_RECIPE} not found; run from a source checkout "
                 "(pip install -e .) or pass --config path/to/recipe.yaml"
             )
         args[1:1] = ["--config", str(DEFAULT_RECIPE)]
-    return LightningCLI(
-        LitCausalLM,
-        ByteTextDataModule,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-    )
+    return args
+
+
+def run(args: list[str]) -> SparseCLI:
+    """Run a LightningCLI subcommand (after `build_args`) and return the CLI object."""
+    if not os.environ.get("WANDB_MODE"):
+        # Decided once here; DDP workers and wandb itself inherit the environment variable.
+        os.environ["WANDB_MODE"] = wandb_mode()
+        if os.environ["WANDB_MODE"] == "offline":
+            rank_zero_info(
+                "W&B: offline (no account configured): runs are kept under the logger's "
+                "save_dir; upload them later with `wandb sync`"
+            )
+    # No base classes: model and data are any LightningModule / LightningDataModule named by
+    # class_path, and data is optional (a LightningModule may bring its own dataloaders).
+    with warnings.catch_warnings():
+        # We pass the (possibly completed) command line as `args` on purpose.
+        warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+        return SparseCLI(
+            args=build_args(args),
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": "lightning-sparse", "epilog": _EPILOG},
+        )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point: ``compare`` and ``sweep`` go to their modules, the rest to `SparseCLI`."""
+    args = list(sys.argv[1:] if args is None else args)
+    if args and args[0] == "compare":
+        from lightning_sparse import compare
+
+        compare.main(args[1:])
+    elif args and args[0] == "sweep":
+        from lightning_sparse import sweep  # written separately; imported only when asked for
+
+        sweep.main(args[1:])
+    elif args and not args[0].startswith("-") and args[0] not in LIGHTNING_SUBCOMMANDS:
+        sys.exit(f"lightning-sparse: unknown subcommand {args[0]!r}; {_EPILOG}")
+    else:
+        run(args)
+
+
+_EPILOG = (
+    "subcommands: fit (default), validate, test, predict (LightningCLI), compare (train and "
+    "tabulate several recipes: lightning-sparse compare --help), sweep (lightning-sparse sweep "
+    "--help)"
+)
 
 
 if __name__ == "__main__":

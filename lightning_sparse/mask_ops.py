@@ -4,6 +4,14 @@ Every function works row by row on a ``[groups, n]`` score (a shaper from ``shap
 that view), so each row competes independently. Ties always go to the lower index within the row,
 which makes masks identical on every run and thread count; ``torch.topk`` alone gives no
 such guarantee. NaN scores count as ``-inf``.
+
+Only the threshold (the k-th largest score) comes from a selection algorithm; the tie rule then
+fixes the mask. On a single long row on the CPU (``Unstructured``, the default) ``torch.topk`` is
+one single-threaded pass over every element, so there the threshold is selected from a small
+candidate set instead: a strided sample bounds it, one vectorised comparison keeps the few
+percent of scores past the bound, and ``torch.topk`` runs on those (``_kth_largest``). The
+threshold, hence the mask, is the same; this path reads counts on the host, which costs nothing
+on the CPU. Other devices and short or many rows keep the sync-free ``torch.topk`` path.
 """
 
 from __future__ import annotations
@@ -15,6 +23,9 @@ import torch
 from torch import Tensor
 
 _INF = float("inf")
+# Rows at least this long, on the CPU, take the sampled selection (tests lower it to 1).
+HOST_SELECT_MIN = 1 << 14
+_SAMPLE = 4096  # about this many sampled scores bound the threshold
 
 
 def check_sparsity(sparsity: float, owner: str = "sparsity") -> float:
@@ -59,7 +70,9 @@ def topk_mask(score: Tensor, k: int | Tensor) -> Tensor:
     The k-th largest value of each row is a threshold: every score above it is kept, and among
     the scores equal to it the first ``k - (number above)`` by index are kept. The threshold value
     is unique even where ``torch.topk``'s indices are not, so the mask is deterministic. An int
-    ``k`` costs one ``torch.topk`` over ``min(k, n - k + 1)`` elements and never syncs the host.
+    ``k`` costs one ``torch.topk`` over ``min(k, n - k + 1)`` elements and never syncs the host,
+    except for one CPU row of ``HOST_SELECT_MIN`` or more, where the threshold comes from a
+    sample-narrowed candidate set (host-side counts, free on the CPU; same mask).
 
     Args:
         score: ``[groups, n]`` (any ``[..., n]`` works; rows are the last dimension). Floating
@@ -86,6 +99,8 @@ def topk_mask(score: Tensor, k: int | Tensor) -> Tensor:
     if k == 0 or k == n:
         return torch.full_like(score, k == n, dtype=torch.bool)
     score = _without_nan(score)
+    if _host_select(score):
+        return _top_mask(score.reshape(-1), k, None, n).reshape(score.shape)
     # The k-th largest equals the (n - k + 1)-th smallest: select whichever side is shorter.
     if k <= n - k + 1:
         threshold = torch.topk(score, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
@@ -107,12 +122,83 @@ def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
     return _keep_threshold(score, threshold, k)
 
 
-def _keep_threshold(score: Tensor, threshold: Tensor, k: int | Tensor) -> Tensor:
-    """Keep ``score > threshold`` plus the lowest-index ties so each row has ``k``."""
+def _keep_threshold(
+    score: Tensor, threshold: Tensor, k: int | Tensor, valid: Tensor | None = None
+) -> Tensor:
+    """Keep ``score > threshold`` plus the lowest-index ties so each row has ``k`` (counting
+    only ``valid`` positions, if given)."""
     above = score > threshold
     ties = score == threshold
+    if valid is not None:
+        above &= valid
+        ties &= valid
     needed = k - above.sum(-1, keepdim=True)
     return above | (ties & (ties.cumsum(-1, dtype=torch.int32) <= needed))
+
+
+def _host_select(t: Tensor) -> bool:
+    """Whether ``t`` ([..., n]) is one CPU row long enough for the sampled selection."""
+    return t.device.type == "cpu" and t.shape[-1] >= HOST_SELECT_MIN and t.numel() == t.shape[-1]
+
+
+def _top_mask(x: Tensor, k: int, valid: Tensor | None, n_valid: int) -> Tensor:
+    """``topk_mask`` of one row ``x`` ([n], no NaN) over its ``valid`` positions (host path)."""
+    if k == 0:
+        return torch.zeros_like(x, dtype=torch.bool)
+    if k == n_valid:
+        return torch.ones_like(x, dtype=torch.bool) if valid is None else valid.clone()
+    threshold = _kth_largest(x, k, valid, n_valid)
+    keep = x >= threshold  # a Python scalar: compares much faster than a 0-d tensor
+    if valid is not None:
+        keep &= valid
+    if int(keep.count_nonzero()) == k:  # no surplus ties at the threshold: the usual case
+        return keep
+    return _keep_threshold(x, threshold, k, valid)
+
+
+def _kth_largest(x: Tensor, k: int, valid: Tensor | None, n_valid: int) -> float | int:
+    """The k-th largest of ``x[valid]``, exactly, without a top-k over all of ``x``.
+
+    Works from the nearer end (the ``j = min(k, n_valid - k + 1)``-th from the top or bottom).
+    A strided sample of the valid scores gives a bound that at least ``j`` of them reach with
+    near certainty (4 standard deviations past the expected sample rank); the scores reaching
+    it hold the answer, so ``torch.topk`` runs on those few. If fewer than ``j`` reach it (a
+    misleading sample, heavy ties), it runs on every valid score: slower, same answer.
+
+    Args:
+        x: ``[n]`` float scores without NaN. valid: ``[n]`` bool or None (all valid).
+        k: rank from the top, in ``[1, n_valid]``. n_valid: number of valid scores.
+    """
+    largest = k <= n_valid - k + 1
+    j = k if largest else n_valid - k + 1
+    stride = max(x.numel() // _SAMPLE, 1) | 1  # odd, so it walks across the columns of a matrix
+    sample = x[::stride] if valid is None else x[::stride][valid[::stride]]
+    m, p = sample.numel(), j / n_valid
+    rank = math.ceil(p * m + 4.0 * math.sqrt(m * p * (1.0 - p)) + 2.0)
+    if rank < m:
+        bound = _nth(sample, rank, largest)  # both are Python scalars here (see _nth)
+        near = x >= bound if largest else x <= bound
+        if valid is not None:
+            near &= valid
+        candidates = x[near]
+        if candidates.numel() >= j:
+            return _nth(candidates, j, largest)
+    return _nth(x if valid is None else x[valid], j, largest)
+
+
+def _nth(values: Tensor, j: int, largest: bool) -> float | int:
+    """The j-th largest (or smallest) of 1-D ``values``, by a top-k over the shorter side.
+
+    Returned as a Python number (exact: ``item()`` gives an int for integer dtypes and a
+    double, which holds every float dtype's values, otherwise), since comparing a tensor with a
+    scalar is several times faster on the CPU than with a 0-d tensor.
+    """
+    c = values.numel()
+    if j <= c - j + 1:
+        picked = torch.topk(values, j, largest=largest, sorted=False).values
+        return (picked.amin() if largest else picked.amax()).item()
+    picked = torch.topk(values, c - j + 1, largest=not largest, sorted=False).values
+    return (picked.amax() if largest else picked.amin()).item()
 
 
 def _finite(score: Tensor) -> Tensor:
@@ -164,7 +250,9 @@ def drop_and_grow(
         (so exactly ``n_total`` in the usual case). NaN and ``±inf`` scores rank as the lowest
         and highest finite values, so a drop never keeps an inactive position and a grow never
         picks a kept one. With int ``n_drop`` and ``n_total`` it costs two ``torch.topk`` calls
-        and never syncs the host; tensor counts use a full sort.
+        and never syncs the host (one long CPU row: two sampled selections instead, restricted
+        to the active / not-kept positions by a mask, with host-side counts; same result);
+        tensor counts use a full sort.
 
     Raises:
         ValueError: If the shapes differ, ``mask`` is not bool, or an int count is out of range.
@@ -184,6 +272,8 @@ def drop_and_grow(
         _check_int("drop_and_grow n_drop", n_drop, 0, n)
     if not isinstance(n_total, Tensor):
         _check_int("drop_and_grow n_total", n_total, 0, n)
+    if isinstance(n_drop, int) and isinstance(n_total, int) and _host_select(mask):
+        return _drop_and_grow_host(drop_score, grow_score, mask, n_drop, n_total)
     # 1. Drop the n_drop weakest active positions. Flipped so that among equal scores the
     #    higher index is dropped first, i.e. the survivors are the top scores, ties to the lower
     #    index. Inactive positions rank last; if n_drop exceeds the active count, `mask &` drops
@@ -194,3 +284,20 @@ def drop_and_grow(
     #    all of them are chosen first. A row still denser than n_total keeps them all via `kept |`.
     ranked = torch.where(kept, _INF, _finite(grow_score))
     return kept | topk_mask(ranked, n_total)
+
+
+def _drop_and_grow_host(
+    drop_score: Tensor, grow_score: Tensor, mask: Tensor, n_drop: int, n_total: int
+) -> Tensor:
+    """``drop_and_grow`` of one long CPU row: the same two selections, each restricted to its
+    candidates by a ``valid`` mask rather than by ``±inf`` scores (no full-size ``where``)."""
+    active = mask.reshape(-1)
+    n_active = int(active.count_nonzero())
+    n_kept = n_active - min(n_drop, n_active)
+    # 1. Drop: keep the n_kept strongest active positions (ties to the lower index).
+    kept = _top_mask(_finite(drop_score).reshape(-1), n_kept, active, n_active)
+    # 2. Grow the strongest of the positions not kept, up to n_total.
+    n_grow = max(n_total - n_kept, 0)
+    free = ~kept
+    grown = _top_mask(_finite(grow_score).reshape(-1), n_grow, free, free.numel() - n_kept)
+    return (kept | grown).reshape(mask.shape)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lightning_sparse import mask_ops
 from lightning_sparse.mask_ops import check_sparsity, drop_and_grow, topk_mask
 
 NAN, INF = float("nan"), float("inf")
@@ -198,3 +200,104 @@ def test_check_sparsity_rejects(bad: object) -> None:
     with pytest.raises(ValueError, match=repr(bad).replace("(", r"\(").replace(".", r"\.")):
         check_sparsity(bad)  # type: ignore[arg-type]
     assert check_sparsity(0) == 0.0 and check_sparsity(0.9) == 0.9
+
+
+# ---------------------------------------------------------------- host (sampled) selection path
+@contextlib.contextmanager
+def host_select_min(n: int):
+    """Route rows of at least ``n`` through the CPU sampled-selection path (default 2**14)."""
+    saved = mask_ops.HOST_SELECT_MIN
+    mask_ops.HOST_SELECT_MIN = n
+    try:
+        yield
+    finally:
+        mask_ops.HOST_SELECT_MIN = saved
+
+
+@FAST
+@given(scores_and_ks())
+def test_host_path_topk_mask_matches_reference(case: tuple[torch.Tensor, list[int]]) -> None:
+    score, ks = case
+    row = score[:1]
+    with host_select_min(1):
+        for k in set(ks):
+            assert torch.equal(topk_mask(row, k), reference_topk(row, [k]))
+
+
+@FAST
+@given(
+    st.integers(1, 40),
+    st.integers(0, 2**31 - 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.floats(0, 1),
+)
+def test_host_path_drop_and_grow_matches_reference(
+    n: int, seed: int, density: float, drop_frac: float, target: float
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, n, generator=gen) < density
+    values = torch.tensor([0.0, 1.0, 2.0, NAN, INF, -INF])
+    drop = values[torch.randint(0, 6, (1, n), generator=gen)]  # ties, NaN and infinities
+    grow = values[torch.randint(0, 6, (1, n), generator=gen)]
+    n_drop, n_total = int(drop_frac * n), int(target * n)
+    with host_select_min(1):
+        out = drop_and_grow(drop, grow, mask, n_drop, n_total)
+    assert torch.equal(out, reference_drop_and_grow(drop, grow, mask, n_drop, n_total))
+
+
+def _long_rows(n: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Scores of one long row that stress the sample: ties, zeros, NaN/inf, order, columns."""
+    special = torch.randn(1, n, generator=gen)
+    r = torch.rand(1, n, generator=gen)
+    special[r < 0.05] = NAN
+    special[(r >= 0.05) & (r < 0.08)] = INF
+    special[(r >= 0.08) & (r < 0.1)] = -INF
+    zeros = torch.randn(1, n, generator=gen) * (torch.rand(1, n, generator=gen) < 0.1)
+    columns = torch.randn(n // 256, 256, generator=gen) * torch.logspace(-3, 3, 256)
+    return {
+        "randn": torch.randn(1, n, generator=gen),
+        "ties": torch.randint(0, 4, (1, n), generator=gen).float(),
+        "special": special,
+        "mostly zero": zeros,
+        "ascending": torch.arange(n, dtype=torch.float32).unsqueeze(0),
+        "constant": torch.ones(1, n),
+        "column scales": columns.reshape(1, n),
+    }
+
+
+@pytest.mark.parametrize("density", [0.02, 0.2, 0.9])
+def test_host_path_equals_sync_free_path_on_long_rows(density: float) -> None:
+    gen = torch.Generator().manual_seed(7)
+    n = 65 * 256  # a multiple of 256, just above the default HOST_SELECT_MIN
+    rows = _long_rows(n, gen)
+    mask = torch.rand(1, n, generator=gen) < density
+    active = int(mask.sum())
+    names = list(rows)
+    for i, drop_name in enumerate(names):
+        drop = rows[drop_name]
+        for grow_name in (names[i], names[(i + 3) % len(names)]):
+            grow = rows[grow_name]
+            for n_drop, n_total in ((active - int(0.7 * active), int(0.2 * n)), (active, n // 2)):
+                with host_select_min(n + 1):  # the sync-free torch.topk path
+                    expected = drop_and_grow(drop, grow, mask, n_drop, n_total)
+                got = drop_and_grow(drop, grow, mask, n_drop, n_total)
+                assert torch.equal(got, expected), (drop_name, grow_name, n_drop, n_total)
+        for k in (1, int(0.06 * n), n // 2, n - 1):
+            with host_select_min(n + 1):
+                expected = topk_mask(drop, k)
+            assert torch.equal(topk_mask(drop, k), expected), (drop_name, k)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.int32, torch.bool, torch.bfloat16, torch.float16, torch.float64]
+)
+def test_host_path_topk_mask_dtypes(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    score = torch.randint(0, 1000, (1, 20_000), generator=gen)
+    score = (score + 2**60 if dtype == torch.int64 else score).to(dtype)  # beyond double's 2**53
+    for k in (1, 777, 10_000, 19_999):
+        with host_select_min(20_001):
+            expected = topk_mask(score, k)
+        with host_select_min(1):
+            assert torch.equal(topk_mask(score, k), expected), (dtype, k)

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_sparse.data.sampler import ResumableDataLoader, ResumableSampler
+
 VOCAB_SIZE = 256
 # Directory names never read from the standard library: installed packages and test suites.
 _STDLIB_EXCLUDED_DIRS = frozenset(
@@ -113,9 +115,11 @@ class ByteTextDataModule(L.LightningDataModule):
 
     Batches are LongTensor [batch_size, seq_len + 1]. Training windows tile the train corpus with
     stride `seq_len` (every next-token pair appears once per epoch); their order is a permutation
-    fixed by `seed`, so runs with the same seed see the same batches and Lightning can shard or
-    resume the (unshuffled) map-style dataset. Every epoch repeats that order. Validation is the
-    first `val_windows` contiguous windows of the validation files.
+    fixed by `seed`, so runs with the same seed see the same batches. Every epoch repeats that
+    order. The training loader is a `ResumableDataLoader`: under DDP each rank takes its share of
+    the order, and a run resumed from a mid-epoch checkpoint continues with the batch after the
+    last one trained (the position is saved in the checkpoint). Validation is the first
+    `val_windows` contiguous windows of the validation files.
 
     Args:
         paths: Text files or directories (searched recursively for `pattern`); `None` uses the
@@ -159,6 +163,7 @@ class ByteTextDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.train_data: Tensor | None = None
         self.val_data: Tensor | None = None
+        self.train_sampler: ResumableSampler | None = None
 
     def split_files(self) -> tuple[list[Path], list[Path]]:
         """The (train, validation) file lists, each in sorted order."""
@@ -197,11 +202,26 @@ class ByteTextDataModule(L.LightningDataModule):
         """Start offsets [num_windows] tiling data with stride seq_len."""
         return torch.arange((len(data) - 1) // self.hparams.seq_len) * self.hparams.seq_len
 
-    def train_dataloader(self) -> DataLoader:
-        starts = self._windows(self.train_data)
-        generator = torch.Generator().manual_seed(self.hparams.seed)
-        starts = starts[torch.randperm(len(starts), generator=generator)]
-        return self._loader(WindowDataset(self.train_data, starts, self.hparams.seq_len))
+    def train_dataloader(self) -> ResumableDataLoader:
+        hp = self.hparams
+        dataset = WindowDataset(self.train_data, self._windows(self.train_data), hp.seq_len)
+        order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(hp.seed))
+        trainer = self.trainer  # None outside Lightning: one process
+        world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
+        sampler = ResumableSampler(dataset, order, hp.batch_size, num_replicas=world, rank=rank)
+        if self.train_sampler is not None:  # a reloaded loader continues where the last one was
+            sampler.batches_seen = self.train_sampler.batches_seen
+        self.train_sampler = sampler
+        return ResumableDataLoader(
+            dataset, batch_size=hp.batch_size, sampler=sampler, num_workers=hp.num_workers
+        )
+
+    def on_before_batch_transfer(self, batch: Tensor, dataloader_idx: int) -> Tensor:
+        """Count training batches as they reach the model (the loader runs one batch ahead)."""
+        trainer = self.trainer
+        if trainer is not None and trainer.training and self.train_sampler is not None:
+            self.train_sampler.batches_seen += 1
+        return batch
 
     def val_dataloader(self) -> DataLoader:
         starts = self._windows(self.val_data)[: self.hparams.val_windows]

@@ -1,0 +1,69 @@
+"""`LoadWeights`: start a run from another run's weights (the next stage of a chained run).
+
+Unlike ``fit(ckpt_path=...)``, which resumes a run (optimizer, LR schedule, step counter and
+callback states included), this only initialises the LightningModule's weights, so the new run
+starts its own optimizer and schedule: Variable SPDF's dense stage as a separate run after a
+sparse one, or dense fine-tuning after sparse pre-training (SPDF). ``drop_masks`` removes the
+``<param>_mask`` entries, so a sparse checkpoint loads into a dense model with its zeros in place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["LoadWeights", "drop_mask_entries"]
+
+
+def drop_mask_entries(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state_dict`` without the ``<param>_mask`` entries of its parameters."""
+    return {
+        key: value
+        for key, value in state_dict.items()
+        if not (key.endswith("_mask") and key[: -len("_mask")] in state_dict)
+    }
+
+
+class LoadWeights(pl.Callback):
+    """Load a checkpoint's weights into the LightningModule at setup.
+
+    List it before any sparsity callback of the new run: the algorithm is then applied to the
+    loaded weights (``init_method="topk"`` or ``"from_zeros"`` choose masks from them). Listed
+    after one, the loaded weights are pruned with that algorithm's masks.
+
+    Args:
+        path: a Lightning checkpoint (its ``state_dict``) or a file holding a plain state dict.
+            It is unpickled: load only files you trust.
+        drop_masks: leave out the ``<param>_mask`` entries (sparse weights into a dense model).
+        strict: as ``nn.Module.load_state_dict``.
+
+    Raises:
+        FileNotFoundError: (at setup) ``path`` does not exist.
+    """
+
+    def __init__(self, path: str, drop_masks: bool = True, strict: bool = True) -> None:
+        self.path = path
+        self.drop_masks = drop_masks
+        self.strict = strict
+        self.loaded = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Load once, before optimizers exist (a later ``ckpt_path`` restore still wins)."""
+        if self.loaded:
+            return
+        if not Path(self.path).is_file():
+            raise FileNotFoundError(
+                f"LoadWeights: checkpoint {self.path!r} does not exist; run the previous stage "
+                "first, or fix the path"
+            )
+        checkpoint = torch.load(self.path, map_location="cpu", weights_only=False)
+        state = checkpoint.get("state_dict", checkpoint)
+        if self.drop_masks:
+            state = drop_mask_entries(state)
+        pl_module.load_state_dict(state, strict=self.strict)
+        self.loaded = True
+        if trainer.is_global_zero:
+            print(f"LoadWeights: loaded {len(state)} tensors from {self.path}", flush=True)

@@ -76,7 +76,13 @@ def test_param_and_module_requires_dense_opt_out() -> None:
     model[1].requires_dense = False
     sparsity = Static(sparsity=0.5, param_filter="*")
     model.apply(sparsity)
-    assert set(sparsity.sparse_params) == {"0.bias", "1.0.weight", "1.0.bias", "1.1.weight", "1.1.bias"}
+    assert set(sparsity.sparse_params) == {
+        "0.bias",
+        "1.0.weight",
+        "1.0.bias",
+        "1.1.weight",
+        "1.1.bias",
+    }
 
 
 def test_optimizer_state_requires_dense_opt_out() -> None:

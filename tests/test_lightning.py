@@ -210,7 +210,9 @@ trainer:
         def train_dataloader(self):  # noqa: ANN202
             return token_loader()
 
-    cli = LightningCLI(DataModuleLM, args=["fit", "--config", str(config)], save_config_callback=None)
+    cli = LightningCLI(
+        DataModuleLM, args=["fit", "--config", str(config)], save_config_callback=None
+    )
     (group,) = [c for c in cli.trainer.callbacks if isinstance(c, Group)]
     assert [type(a) for a in group] == [Static, SET] and group.step == 2
     assert {n: int(sp.mask.sum()) for n, sp in group.sparse_params.items()} == {

@@ -264,8 +264,8 @@ def reference_rigl(
     """RigL's update (Evci et al. 2020, Algorithm 1) per balance group, with plain sorts.
 
     Per row of ``reshape(groups, -1)``: keep the ``int((1 - d) * active)`` active weights of
-    largest |w| (Cerebras' count), then grow ``n_target - kept`` connections of largest |grad| among all positions not
-    kept (a just-dropped one included). Ties go to the lower index.
+    largest |w| (Cerebras' count), then grow ``n_target - kept`` connections of largest |grad|
+    among all positions not kept (a just-dropped one included). Ties go to the lower index.
     """
     w_rows, g_rows, m_rows = (t.reshape(groups, -1).tolist() for t in (w, grad, mask))
     out = []

@@ -30,7 +30,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
-from lightning_sparse.algorithms.base import SparsityAlgorithm
+from lightning_sparse.algorithms.base import SparsityAlgorithm, algorithms_of
 from lightning_sparse.flops import FlopReport, model_flops
 from lightning_sparse.report import sparsity_report
 
@@ -78,6 +78,7 @@ class SparseRunSummary(pl.Callback):
         self._warned = False
         self._seq_len_seen: int | None = None
         self.summary: dict[str, Any] | None = None
+        self._layers = -1
 
     # ------------------------------------------------------------------ counting
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -85,7 +86,7 @@ class SparseRunSummary(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
-        for algorithm in pl_module.__dict__.get("_lightning_sparse_algorithms", []):
+        for algorithm in algorithms_of(pl_module):
             if id(algorithm) not in self._hooked:  # leaf algorithms, Group members included
                 algorithm.register_update_hook(self._on_mask_update)
                 self._hooked.add(id(algorithm))
@@ -101,8 +102,11 @@ class SparseRunSummary(pl.Callback):
             return
         sequences, seq_len = shape
         self._seq_len_seen = seq_len
-        if self._report is None or self._report.seq_len != seq_len:
+        # The sparse layers themselves can change too (densify at a Variable SPDF switch).
+        layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
+        if self._report is None or self._report.seq_len != seq_len or layers != self._layers:
             self._report = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+            self._layers = layers
         tokens = sequences * seq_len * self._world_size
         self._pending_sequences += sequences
         self.counters["tokens"] += tokens

@@ -340,3 +340,16 @@ def test_chained_vspdf_recipes_run(tmp_path: Path) -> None:
     assert [s.run for s in counter.all_segments()] == [0, 1]
     assert counter.earlier[0].sparsity == pytest.approx(0.9, abs=1e-3)
     assert _masks(dense.model) == [] and _masks(sparse.model) != []
+
+
+def test_run_summary_charges_the_dense_stage_at_dense_cost(tmp_path: Path) -> None:
+    from lightning_sparse.summary import SparseRunSummary
+
+    run_summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)
+    # As the CLI orders them: recipe callbacks first, the run summary after them.
+    t = trainer(tmp_path, max_steps=6, callbacks=[Static(0.75), VariableSPDF(4), run_summary])
+    t.fit(TinyLM(), token_loader())
+    assert run_summary.counters["train_flops"] == 3 * TOKENS * (
+        4 * SPARSE_PER_TOKEN + 2 * DENSE_PER_TOKEN
+    )
+    assert run_summary.counters["dense_train_flops"] == 3 * TOKENS * 6 * DENSE_PER_TOKEN

@@ -98,3 +98,7 @@ def run(out: Path, distributed: bool) -> None:
 if __name__ == "__main__":
     out_dir = Path(sys.argv[1])
     run(out_dir, distributed=sys.argv[2] == "fsdp2")
+    # Tear the gloo group down before interpreter exit: left running, its threads can abort the
+    # process at shutdown ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

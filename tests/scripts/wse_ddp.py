@@ -67,3 +67,7 @@ def main(outdir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    # Tear the gloo group down before interpreter exit: left running, its threads can abort the
+    # process at shutdown ("terminate called without an active exception").
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -43,7 +43,33 @@ def _as_wse(accelerator: pl.accelerators.Accelerator | None, kernel_path: str | 
     )
 
 
-class WSEStrategy(SingleDeviceStrategy):
+class _WSEPlugins:
+    """The two plugin slots both WSE strategies guard: the accelerator is always the WSE one,
+    and only precisions the device supports are accepted."""
+
+    _kernel_path: str | None
+    _precision_plugin: Precision | None
+
+    @property
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        self._accelerator = _as_wse(accelerator, self._kernel_path)
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is not None:
+            check_precision(precision_plugin)
+        self._precision_plugin = precision_plugin
+
+
+class WSEStrategy(_WSEPlugins, SingleDeviceStrategy):
     """One emulated wafer-scale system (``Trainer(strategy="wse")``).
 
     Args:
@@ -68,24 +94,6 @@ class WSEStrategy(SingleDeviceStrategy):
         self.accelerator = accelerator
         self.precision_plugin = precision_plugin
 
-    @property
-    def accelerator(self) -> pl.accelerators.Accelerator | None:
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
-        self._accelerator = _as_wse(accelerator, self._kernel_path)
-
-    @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None:
-            check_precision(precision_plugin)
-        self._precision_plugin = precision_plugin
-
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
@@ -93,7 +101,7 @@ class WSEStrategy(SingleDeviceStrategy):
         )
 
 
-class WSEDDPStrategy(DDPStrategy):
+class WSEDDPStrategy(_WSEPlugins, DDPStrategy):
     """A cluster of emulated wafer-scale systems (``Trainer(strategy="wse_ddp", devices=N)``).
 
     Args:
@@ -130,24 +138,6 @@ class WSEDDPStrategy(DDPStrategy):
         )
         self.accelerator = accelerator
         self.precision_plugin = precision_plugin
-
-    @property
-    def accelerator(self) -> pl.accelerators.Accelerator | None:
-        return self._accelerator
-
-    @accelerator.setter
-    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
-        self._accelerator = _as_wse(accelerator, self._kernel_path)
-
-    @property
-    def precision_plugin(self) -> Precision:
-        return self._precision_plugin if self._precision_plugin is not None else Precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, precision_plugin: Precision | None) -> None:
-        if precision_plugin is not None:
-            check_precision(precision_plugin)
-        self._precision_plugin = precision_plugin
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:

@@ -291,13 +291,93 @@ def _drop_and_grow_host(
 ) -> Tensor:
     """``drop_and_grow`` of one long CPU row: the same two selections, each restricted to its
     candidates by a ``valid`` mask rather than by ``±inf`` scores (no full-size ``where``)."""
-    active = mask.reshape(-1)
-    n_active = int(active.count_nonzero())
-    n_kept = n_active - min(n_drop, n_active)
-    # 1. Drop: keep the n_kept strongest active positions (ties to the lower index).
-    kept = _top_mask(_finite(drop_score).reshape(-1), n_kept, active, n_active)
+    kept, n_kept = _drop_host(drop_score, mask, n_drop)
     # 2. Grow the strongest of the positions not kept, up to n_total.
     n_grow = max(n_total - n_kept, 0)
     free = ~kept
     grown = _top_mask(_finite(grow_score).reshape(-1), n_grow, free, free.numel() - n_kept)
     return (kept | grown).reshape(mask.shape)
+
+
+def _drop_host(drop_score: Tensor, mask: Tensor, n_drop: int) -> tuple[Tensor, int]:
+    """Step 1 of ``drop_and_grow`` on one long CPU row: ``([n] kept mask, kept count)``."""
+    active = mask.reshape(-1)
+    n_active = int(active.count_nonzero())
+    n_kept = n_active - min(n_drop, n_active)
+    # Keep the n_kept strongest active positions (ties to the lower index).
+    return _top_mask(_finite(drop_score).reshape(-1), n_kept, active, n_active), n_kept
+
+
+# Sampled random growth is used while at most this share of the free positions is grown; past
+# it, rejection sampling would redraw too often and a full random score is cheaper.
+_RANDOM_GROW_MAX_SHARE = 0.25
+_OVERDRAW, _EXTRA_DRAWS = 1.25, 64  # draws per wanted position, scaled by n / n_free; + margin
+
+
+def drop_and_grow_random(
+    drop_score: Tensor,
+    mask: Tensor,
+    n_drop: int | Tensor,
+    n_total: int | Tensor,
+    generator: torch.Generator,
+) -> Tensor:
+    """``drop_and_grow`` whose growth is uniformly random among the positions not kept (SET).
+
+    Mocanu et al. 2018 (arXiv:1707.04780) regrow as many connections as were dropped, uniformly
+    at random among the inactive ones. The general route scores every position with
+    ``torch.rand(mask.shape, generator=generator)`` and grows the top ``n_grow``, drawing a
+    random number per weight to regrow a few percent of them. On one long CPU row (the
+    ``Unstructured`` case) growing at most a quarter of the free positions, this draws only
+    about ``1.25 * n_grow * n / n_free`` random positions (``torch.randint`` from the same
+    ``generator``), rejects kept and repeated ones and grows the first ``n_grow`` distinct free
+    positions in draw order: a uniformly random ``n_grow``-subset of the free positions
+    (sequential sampling without replacement), drawn again while too few came up. Both routes
+    are deterministic in ``generator``; they are different random streams.
+
+    Args:
+        drop_score: ``[groups, n]`` float score of the active connections; higher = keep.
+        mask: ``[groups, n]`` bool, the current mask.
+        n_drop, n_total: as in ``drop_and_grow``.
+        generator: the random stream (e.g. from ``rng.generator_for(seed, step, name, device)``),
+            on ``mask``'s device.
+
+    Returns:
+        ``[groups, n]`` bool mask, with the counts of ``drop_and_grow``.
+    """
+    if (
+        isinstance(n_drop, int)
+        and isinstance(n_total, int)
+        and drop_score.shape == mask.shape
+        and mask.dtype == torch.bool
+        and _host_select(mask)
+    ):
+        _check_int("drop_and_grow n_drop", n_drop, 0, mask.shape[-1])
+        _check_int("drop_and_grow n_total", n_total, 0, mask.shape[-1])
+        kept, n_kept = _drop_host(drop_score, mask, n_drop)
+        n_grow = max(n_total - n_kept, 0)
+        n_free = kept.numel() - n_kept
+        if n_grow <= _RANDOM_GROW_MAX_SHARE * n_free:
+            grown = _sample_free(~kept, n_free, n_grow, generator)
+            return (kept | grown).reshape(mask.shape)
+    grow_score = torch.rand(mask.shape, generator=generator, device=mask.device)
+    return drop_and_grow(drop_score, grow_score, mask, n_drop, n_total)
+
+
+def _sample_free(free: Tensor, n_free: int, k: int, generator: torch.Generator) -> Tensor:
+    """``[n]`` bool with ``k`` of the ``n_free`` True positions of ``free`` ([n] bool), drawn
+    uniformly without replacement: the first ``k`` distinct free ones of uniform draws."""
+    n = free.numel()
+    grown = torch.zeros_like(free)
+    chosen = torch.empty(0, dtype=torch.long)
+    while chosen.numel() < k:
+        wanted = k - chosen.numel()
+        size = max(int(_OVERDRAW * wanted * n / n_free) + _EXTRA_DRAWS, 1)
+        draws = torch.randint(n, (size,), generator=generator)
+        seq = torch.cat([chosen, draws[free[draws]]])
+        # The first occurrence of each position, in draw order: slot[i] = first index of i.
+        order = torch.arange(seq.numel(), dtype=torch.int32)
+        slot = torch.full((n,), seq.numel(), dtype=torch.int32)
+        slot.scatter_reduce_(0, seq, order, "amin")
+        chosen = seq[slot[seq] == order]
+    grown[chosen[:k]] = True
+    return grown

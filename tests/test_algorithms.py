@@ -161,6 +161,44 @@ def test_set_drops_smallest_active_and_regrows_from_its_random_stream() -> None:
     assert grown == set(candidates[:2])
 
 
+def test_set_on_a_long_row_grows_sampled_positions_of_its_random_stream() -> None:
+    # 128 x 256 = 32768 weights: one long CPU row, where SET draws random positions instead
+    # of a score per weight (mask_ops.drop_and_grow_random).
+    from lightning_sparse.mask_ops import drop_and_grow, drop_and_grow_random
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(128, 256, generator=gen, dtype=torch.float64)
+    mask = torch.rand(128, 256, generator=gen) < 0.2
+    seed, step, active = 4, 6, int(mask.sum())
+    model = hand_update(
+        SET(
+            1 - active / w.numel(),
+            update={"freq": 3},
+            drop_fraction=0.3,
+            seed=seed,
+            init_method=fixed_mask(mask),
+        ),
+        torch.where(mask, w, 0).tolist(),
+        step,
+    )
+    new = model.weight_mask
+    assert int(new.sum()) == active  # the target count
+    n_drop = active - int(0.7 * active)
+    kept = drop_and_grow(
+        w.abs().reshape(1, -1),
+        torch.zeros(1, w.numel()),
+        mask.reshape(1, -1),
+        n_drop,
+        active - n_drop,
+    ).reshape(w.shape)
+    assert torch.equal(new & kept, kept)  # the 70% largest |w| survive
+    stream = generator_for(seed, step, "weight", torch.device("cpu"))
+    expected = drop_and_grow_random(
+        w.abs().reshape(1, -1), mask.reshape(1, -1), n_drop, active, stream
+    )
+    assert torch.equal(new, expected.reshape(w.shape))
+
+
 def test_set_drop_fraction_zero_changes_nothing_and_one_replaces_all() -> None:
     keep = hand_update(
         SET(0.375, update={"freq": 1}, drop_fraction=0.0, init_method=fixed_mask(M8)), W8, 1

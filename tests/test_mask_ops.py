@@ -301,3 +301,96 @@ def test_host_path_topk_mask_dtypes(dtype: torch.dtype) -> None:
             expected = topk_mask(score, k)
         with host_select_min(1):
             assert torch.equal(topk_mask(score, k), expected), (dtype, k)
+
+
+# ------------------------------------------------------- random growth (SET) by sampled positions
+def _random_grow_case(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(1, n, generator=gen) < 0.3
+    return torch.randn(1, n, generator=gen), mask, int(mask.sum())
+
+
+@contextlib.contextmanager
+def _draws(overdraw: float, extra: int):
+    saved = mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS
+    mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS = overdraw, extra
+    try:
+        yield
+    finally:
+        mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS = saved
+
+
+@pytest.mark.parametrize("rounds", ["one", "many"])
+def test_random_grow_keeps_the_drop_and_grows_exactly_among_the_rest(rounds: str) -> None:
+    n = 1 << 15  # above HOST_SELECT_MIN: the sampled route
+    drop, mask, active = _random_grow_case(n, 0)
+    n_drop = active - int(0.7 * active)
+    # The drop step alone: drop_and_grow with a growth target of the survivors only.
+    kept = drop_and_grow(drop, torch.zeros(1, n), mask, n_drop, active - n_drop)
+    # Tiny draws force the redraw loop; the result must still be exact.
+    with _draws(*((1.25, 64) if rounds == "one" else (0.05, 0))):
+        out = mask_ops.drop_and_grow_random(
+            drop, mask, n_drop, active, torch.Generator().manual_seed(5)
+        )
+        again = mask_ops.drop_and_grow_random(
+            drop, mask, n_drop, active, torch.Generator().manual_seed(5)
+        )
+    other = mask_ops.drop_and_grow_random(
+        drop, mask, n_drop, active, torch.Generator().manual_seed(6)
+    )
+    assert int(out.sum()) == active and torch.equal(out & kept, kept)
+    assert torch.equal(out, again)  # deterministic in the generator
+    assert not torch.equal(out, other)  # and random in it
+    if rounds == "many":  # the loop continues one stream: same draws, same result
+        assert torch.equal(
+            out,
+            mask_ops.drop_and_grow_random(
+                drop, mask, n_drop, active, torch.Generator().manual_seed(5)
+            ),
+        )
+
+
+def test_random_grow_is_uniform_over_the_free_positions() -> None:
+    # 40 positions, 10 kept, 5 grown among the 30 free: each free position with p = 1/6 and
+    # each pair of them with p = (5 * 4) / (30 * 29); kept ones always, nothing else.
+    n, trials = 40, 3000
+    mask = torch.zeros(1, n, dtype=torch.bool)
+    mask[0, :10] = True
+    drop = torch.ones(1, n)
+    counts = torch.zeros(n)
+    pair = 0
+    with host_select_min(1), _draws(0.3, 0):  # small draws: the redraw loop is exercised too
+        for seed in range(trials):
+            out = mask_ops.drop_and_grow_random(
+                drop, mask, 0, 15, torch.Generator().manual_seed(seed)
+            )
+            counts += out[0].float()
+            pair += bool(out[0, 10] and out[0, 39])
+    assert torch.all(counts[:10] == trials)
+    p = 5 / 30
+    sigma = math.sqrt(trials * p * (1 - p))
+    assert torch.all((counts[10:] - trials * p).abs() < 5 * sigma), counts[10:]
+    p2 = 20 / (30 * 29)
+    assert abs(pair - trials * p2) < 5 * math.sqrt(trials * p2 * (1 - p2)) + 1
+
+
+def test_random_grow_past_a_quarter_of_the_free_scores_every_position() -> None:
+    n = 1 << 15
+    drop, mask, active = _random_grow_case(n, 1)
+    n_drop = active  # drop all, regrow more than a quarter of the free positions
+    expected = drop_and_grow(
+        drop, torch.rand(1, n, generator=torch.Generator().manual_seed(3)), mask, n_drop, active
+    )
+    got = mask_ops.drop_and_grow_random(
+        drop, mask, n_drop, active, torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(got, expected)
+    # Short rows (below HOST_SELECT_MIN) take the same full-score route.
+    short = mask[:, :100]
+    expected = drop_and_grow(
+        drop[:, :100], torch.rand(1, 100, generator=torch.Generator().manual_seed(4)), short, 3, 30
+    )
+    got = mask_ops.drop_and_grow_random(
+        drop[:, :100], short, 3, 30, torch.Generator().manual_seed(4)
+    )
+    assert torch.equal(got, expected)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from lightning_sparse.mask_ops import drop_and_grow
+from lightning_sparse.mask_ops import drop_and_grow, drop_and_grow_random
 from lightning_sparse.shapers import Shaper
 
 
 def shaped_drop_and_grow(
     shaper: Shaper,
     p: torch.Tensor,
-    grow_score: torch.Tensor,
+    grow_score: torch.Tensor | torch.Generator,
     mask: torch.Tensor,
     sparsity: float,
     drop_fraction: float,
@@ -27,7 +27,9 @@ def shaped_drop_and_grow(
 
     Args:
         shaper: maps ``[*shape]`` tensors to ``[groups, n]`` rows that compete independently.
-        p: weight, any shape. grow_score: same shape, higher = grow first.
+        p: weight, any shape.
+        grow_score: same shape, higher = grow first; or a generator: grow uniformly at random
+            among the positions not kept (``mask_ops.drop_and_grow_random``, SET).
         mask: current bool mask, same shape.
         sparsity: target sparsity after the update.
         drop_fraction: share of the target's active connections replaced, in [0, 1].
@@ -37,7 +39,7 @@ def shaped_drop_and_grow(
         bool mask of ``p``'s shape with ``shaper.keep_per_row(sparsity, n)`` kept per row (or
         fewer removed while a row is still denser than its target and ``prune_to_target`` is off).
     """
-    w2d, g2d, m2d = shaper.shape(p.abs()), shaper.shape(grow_score), shaper.shape(mask)
+    w2d, m2d = shaper.shape(p.abs()), shaper.shape(mask)
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
     keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
     counts = m2d.sum(-1)
@@ -48,5 +50,10 @@ def shaped_drop_and_grow(
     else:
         base_t = counts.clamp(max=n_total) if prune_to_target else counts
         n_drop = counts - torch.floor(base_t.double() * keep_share).long()
-    new = drop_and_grow(w2d, g2d, m2d, n_drop, n_total)
+    if isinstance(grow_score, torch.Generator):
+        if m2d.shape[0] == 1:  # one row: random positions are drawn, not a score per weight
+            new = drop_and_grow_random(w2d, m2d, n_drop, n_total, grow_score)
+            return shaper.unshape(new, p.shape)
+        grow_score = torch.rand(p.shape, generator=grow_score, device=p.device)
+    new = drop_and_grow(w2d, shaper.shape(grow_score), m2d, n_drop, n_total)
     return shaper.unshape(new, p.shape)

@@ -37,12 +37,18 @@ class SET(DynamicSparsityAlgorithm):
         super().__init__(sparsity, **kwargs)
         self.drop_fraction = make_hyperparam_schedule(drop_fraction)
 
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
-        """Uniform random scores from the ``(seed, step, name)`` stream."""
-        return torch.rand(p.shape, generator=self.generator(p), device=p.device)
+    def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
+        """What ranks the candidates for growth: for SET, the ``(seed, step, name)`` stream.
+
+        A generator means uniformly random growth: the same on every rank and after a resume.
+        One long CPU row (``Unstructured``) draws only random positions; other layouts score
+        every weight with ``torch.rand(p.shape)`` (``mask_ops.drop_and_grow_random``).
+        Subclasses return a score tensor of ``p``'s shape instead (RigL: ``|grad|``).
+        """
+        return self.generator(p)
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """Drop by ``|p|``, grow by ``grow_score``, keeping the target count."""
+        """Drop by ``|p|``, regrow as many by ``grow_score``, keeping the target count."""
         drop = float(self.drop_fraction(self.step))
         return shaped_drop_and_grow(self.shaper, p, self.grow_score(p), mask, sparsity, drop)
 

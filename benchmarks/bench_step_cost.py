@@ -10,7 +10,9 @@ load hits every variant alike. Each variant reports the median over the timed ro
 3. ``lightning dense`` / ``lightning static``: ``Trainer.fit`` of a ``LitCausalLM`` without and
    with ``callbacks=[Static(0.8)]``. Each Trainer runs in its own thread, parked between steps;
    a step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (one optimizer step).
-4. ``torch.ao``         ``torch.ao.pruning.WeightNormSparsifier`` (unstructured: block (1, 1))
+4. ``dense again``      a second, identical dense loop: ``dense again / dense`` is the run's
+   noise floor (what two identical loops differ by under the machine's load).
+5. ``torch.ao``         ``torch.ao.pruning.WeightNormSparsifier`` (unstructured: block (1, 1))
    on the same Linear layers, ``sparsifier.step()`` after every optimizer step; for comparison.
 
 Every variant uses the same optimizer: ``torch.optim.AdamW(params, lr=1e-3)``, PyTorch's default
@@ -18,6 +20,8 @@ implementation, or the fused kernel with ``--fused``. The goal is ``Static / den
 in the plain loop and under Lightning. The benchmark exits 0 whether or not the goal is met.
 
     python benchmarks/bench_step_cost.py [--steps 21] [--batch 8] [--seq 128] [--threads 2]
+    python benchmarks/bench_step_cost.py --fused     # AdamW(fused=True), as LitCausalLM uses
+    python benchmarks/bench_step_cost.py --cpu-time  # 1 thread, CPU time: robust to load
     python benchmarks/bench_step_cost.py --quick     # tiny model, a few steps: a smoke run
 """
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,6 +58,7 @@ from lightning_sparse.models.lit_lm import LitCausalLM
 
 SPARSITY = 0.8
 GOAL = 1.03
+Clock = Callable[[], float]
 
 
 def sparse_names(model: nn.Module) -> list[str]:
@@ -73,21 +79,21 @@ def zero_fraction(model: nn.Module, names: list[str]) -> float:
 
 
 # ---------------------------------------------------------------------- plain PyTorch variants
-def plain_dense(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
+def plain_dense(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> PlainRun:
     model = build_model(cfg, seed)
-    return PlainRun(model, adamw(model.parameters(), fused))
+    return PlainRun(model, adamw(model.parameters(), fused), clock=clock)
 
 
-def plain_static(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
+def plain_static(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> PlainRun:
     model = build_model(cfg, seed)
     sparsity = Static(sparsity=SPARSITY)
     model.apply(sparsity)
     optimizer = adamw(model.parameters(), fused)
     sparsity.apply(optimizer)
-    return PlainRun(model, optimizer)
+    return PlainRun(model, optimizer, clock=clock)
 
 
-def plain_torch_ao(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
+def plain_torch_ao(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> PlainRun:
     from torch.ao.pruning import WeightNormSparsifier
 
     model = build_model(cfg, seed)
@@ -98,7 +104,7 @@ def plain_torch_ao(cfg: LlamaConfig, seed: int, fused: bool) -> PlainRun:
     sparsifier.prepare(model, config=[{"tensor_fqn": name} for name in names])
     sparsifier.step()  # start at the target sparsity, as the other sparse variants do
     optimizer = adamw(model.parameters(), fused)  # after prepare: it owns the parametrized weights
-    return PlainRun(model, optimizer, after_step=sparsifier.step)
+    return PlainRun(model, optimizer, after_step=sparsifier.step, clock=clock)
 
 
 # ---------------------------------------------------------------------- Lightning variants
@@ -121,7 +127,8 @@ class StepGate(pl.Callback):
     while the driver waits, never beside another variant's timed step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock  # runs in the trainer thread: thread_time is that thread's CPU time
         self.ready = threading.Semaphore(0)  # trainer -> driver: reached the first batch
         self.go = threading.Semaphore(0)  # driver -> trainer: run one step
         self.done = threading.Semaphore(0)  # trainer -> driver: step finished (or fit failed)
@@ -135,10 +142,10 @@ class StepGate(pl.Callback):
             self.started = True
             self.ready.release()
             self.go.acquire()
-        self._start = time.perf_counter()
+        self._start = self.clock()
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.elapsed = time.perf_counter() - self._start
+        self.elapsed = self.clock() - self._start
         self.done.release()
         self.go.acquire()
 
@@ -153,8 +160,9 @@ class LightningRun:
         fused: bool,
         batches: list[torch.Tensor],
         sparse: bool,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.gate = StepGate()
+        self.gate = StepGate(clock)
         self.module = BenchLM(build_model(cfg, seed), fused)
         # The gate goes last so the sparsity callback's batch-end work is inside the timed step.
         callbacks = ([Static(sparsity=SPARSITY)] if sparse else []) + [self.gate]
@@ -213,6 +221,8 @@ def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
         print(f"  {label:<10} Static / dense = {ratio:.3f}  {verdict}")
     ratio = med["torch.ao"] / med[baseline["torch.ao"]]
     print(f"  torch.ao   WeightNormSparsifier / dense = {ratio:.3f}  (for comparison)")
+    ratio = med["dense again"] / med[baseline["dense again"]]
+    print(f"  noise      dense again / dense = {ratio:.3f}  (two identical dense loops)")
 
 
 def main() -> None:
@@ -225,12 +235,20 @@ def main() -> None:
     parser.add_argument("--preset", default="small", help="LlamaConfig preset")
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one torch thread, timed in CPU time of the stepping thread (robust to load)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
     args = parser.parse_args()
     if args.quick:
         args.preset, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 16, 3, 1
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps={args.steps} must be >= 1 and --warmup={args.warmup} >= 0")
+    if args.cpu_time:
+        args.threads = 1
+    clock: Clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     quiet()  # Lightning's "GPU available: ..." and dataloader advice, torch.ao notices
 
@@ -242,16 +260,19 @@ def main() -> None:
         f"model Llama preset {args.preset!r} ({build_model(cfg, args.seed).num_params() / 1e6:.2f}M"
         f" params), batch {args.batch} x seq {args.seq}, fp32, "
         f"AdamW({'fused' if args.fused else 'default'}), sparsity {SPARSITY}; {args.warmup} "
-        f"warm-up + {args.steps} timed steps per variant, round-robin, order rotated each round"
+        f"warm-up + {args.steps} timed steps per variant, round-robin, order rotated each round; "
+        + ("CPU time of the stepping thread" if args.cpu_time else "wall clock")
     )
     runs: dict[str, PlainRun | LightningRun] = {
-        "dense": plain_dense(cfg, args.seed, args.fused),
-        "static": plain_static(cfg, args.seed, args.fused),
-        "torch.ao": plain_torch_ao(cfg, args.seed, args.fused),
+        "dense": plain_dense(cfg, args.seed, args.fused, clock),
+        # A second, identical dense loop: its ratio to "dense" is the noise of this run.
+        "dense again": plain_dense(cfg, args.seed, args.fused, clock),
+        "static": plain_static(cfg, args.seed, args.fused, clock),
+        "torch.ao": plain_torch_ao(cfg, args.seed, args.fused, clock),
     }
     try:
         for name, sparse in (("lightning dense", False), ("lightning static", True)):
-            runs[name] = LightningRun(cfg, args.seed, args.fused, batches, sparse)
+            runs[name] = LightningRun(cfg, args.seed, args.fused, batches, sparse, clock)
         times = run_interleaved(runs, batches, args.warmup, args.steps)
     finally:
         for run in runs.values():
@@ -270,6 +291,7 @@ def main() -> None:
         times,
         baseline={
             "dense": "dense",
+            "dense again": "dense",
             "static": "dense",
             "torch.ao": "dense",
             "lightning dense": "dense",

@@ -83,8 +83,10 @@ def main() -> None:
     grads = [torch.randn_like(p) for p in params]
     zero = torch.zeros(())
     n = sum(p.numel() for p in params)
-    print(f"torch {torch.__version__}, 1 thread, {len(params)} sparse weights, {n / 1e6:.2f}M "
-          f"elements, sparsity 0.8; CPU ms, min of {args.repeats}")
+    print(
+        f"torch {torch.__version__}, 1 thread, {len(params)} sparse weights, {n / 1e6:.2f}M "
+        f"elements, sparsity 0.8; CPU ms, min of {args.repeats}"
+    )
 
     def where_out() -> None:
         for g, m in zip(grads, masks, strict=True):
@@ -98,8 +100,10 @@ def main() -> None:
         ("grad masking: torch.where(mask, g, 0, out=g)", where_out),
         ("grad masking: g.view(int32).mul_(mask)", int_view_mul),
         ("re-prune: _foreach_mul_(params, bool masks)", lambda: torch._foreach_mul_(params, masks)),
-        ("re-prune: _foreach_mul_(int views, masks)",
-         lambda: torch._foreach_mul_([bits(p) for p in params], masks)),
+        (
+            "re-prune: _foreach_mul_(int views, masks)",
+            lambda: torch._foreach_mul_([bits(p) for p in params], masks),
+        ),
     ]
     dense_sq = [torch.rand_like(p) for p in params]
     sparse_sq = [s * m for s, m in zip(dense_sq, masks, strict=True)]

@@ -70,6 +70,10 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     ),
     "adam_amsgrad": lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
     "adamw": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, fused=True),
+    "sgd_foreach_dampening": lambda p: torch.optim.SGD(
+        p, lr=0.05, momentum=0.5, dampening=0.3, weight_decay=1e-2, foreach=True, maximize=True
+    ),
     # A nonzero initial accumulator creates dense state eagerly, before the first step.
     "adagrad": lambda p: torch.optim.Adagrad(p, lr=0.05, initial_accumulator_value=0.1),
     "rmsprop_centered_momentum": lambda p: torch.optim.RMSprop(
@@ -470,3 +474,65 @@ def test_regrown_connections_start_at_zero_weight_and_state(cls: type, optimizer
         assert_pruned_state_is_zero(sparsity, optimizer, f"regrowth, step {t + 1}")
         assert_counts(sparsity, 0.7, f"regrowth, step {t + 1}")
     assert grown_total > 0, "no connection was ever regrown: the test checked nothing"
+
+
+# ------------------------------------------------------- the post-step re-prune and its skip
+
+
+class SGDSubclass(torch.optim.SGD):
+    """A subclass may change the update, so it never counts as zero-keeping."""
+
+
+def test_keeps_pruned_zero_only_for_exact_known_optimizers() -> None:
+    from lightning_sparse.algorithms.base import keeps_pruned_zero
+
+    params = [nn.Parameter(torch.zeros(2, 2))]
+    assert keeps_pruned_zero(torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True))
+    assert keeps_pruned_zero(torch.optim.Adam(params, amsgrad=True))
+    assert keeps_pruned_zero(torch.optim.AdamW(params, fused=True))
+    assert not keeps_pruned_zero(torch.optim.Adam(params, eps=0.0))  # 0 / (0 + 0) is NaN
+    assert not keeps_pruned_zero(SGDSubclass(params, lr=0.1))
+    assert not keeps_pruned_zero(torch.optim.Adagrad(params))
+    assert not keeps_pruned_zero(torch.optim.RMSprop(params))
+
+
+@pytest.mark.parametrize(
+    ("make", "dense_state", "repruned"),
+    [
+        (lambda p: torch.optim.AdamW(p, lr=0.01), False, False),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), False, False),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), True, True),  # opted-out state
+        (lambda p: SGDSubclass(p, lr=0.1), False, True),
+        (lambda p: DenseNudge(p, lr=0.01), False, True),
+    ],
+)
+def test_weights_are_repruned_after_a_step_unless_the_optimizer_keeps_zeros(
+    make: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    dense_state: bool,
+    repruned: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import lightning_sparse.algorithms.base as base
+
+    calls: list[int] = []
+    original = base.zero_pruned_foreach_
+    monkeypatch.setattr(
+        base, "zero_pruned_foreach_", lambda ts, ms: (calls.append(1), original(ts, ms))
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    sparsity = Static(0.75)
+    model.apply(sparsity)
+    optimizer = make(list(model.parameters()))
+    sparsity.apply(optimizer)
+    if dense_state:
+        buf = torch.ones(8, 8)
+        buf.requires_dense = True  # a state the user keeps dense: pruned weights would move
+        optimizer.state[model[0].weight]["momentum_buffer"] = buf
+    for _ in range(4):
+        model(torch.randn(5, 8)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for sp in sparsity.sparse_params.values():
+            assert torch.all(sp.param[~sp.mask] == 0), sp.name
+    assert (len(calls) == 4) if repruned else not calls

@@ -66,6 +66,26 @@ def validate_sparsity(value: object, where: str = "") -> float:
     return float(value)
 
 
+# Optimizers whose update leaves a weight that is exactly 0 at exactly 0 when its gradient and
+# every same-shape state entry are 0 there (what the gradient hooks and state pruning ensure):
+# SGD (momentum, nesterov, dampening, weight decay: all terms are multiples of 0) and Adam /
+# AdamW with eps > 0 (exp_avg / (sqrt(exp_avg_sq) + eps) = 0 / eps; decoupled decay scales 0;
+# amsgrad's max of zeros is 0), in their for-loop, foreach and fused forms. Exact types only: a
+# subclass may change the update. Other optimizers get the weights re-pruned after every step.
+_ZERO_KEEPING_OPTIMIZERS = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+
+
+def keeps_pruned_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` provably keeps pruned (zero, zero-gradient, zero-state)
+    weights at exactly 0, so the per-step re-prune of the weights can be skipped."""
+    if type(optimizer) not in _ZERO_KEEPING_OPTIMIZERS:
+        return False
+    return all(
+        isinstance(group.get("eps", 1.0), float | int) and group.get("eps", 1.0) > 0
+        for group in optimizer.param_groups
+    )
+
+
 class SparsityAlgorithm(pl.Callback, ABC):
     """Base class: owns the masks of the parameters it sparsifies, its step counter and hooks.
 
@@ -130,6 +150,8 @@ class SparsityAlgorithm(pl.Callback, ABC):
         self._mask_targets: dict[str, float] = {}
         self._optimizer_version: dict[int, int] = {}
         self._optimizer_state_len: dict[int, int] = {}
+        # Per optimizer: whether its step provably keeps pruned weights at 0 (no re-prune).
+        self._keeps_zeros: dict[int, bool] = {}
         self._dense_grad_needed = False
         self._shapes: dict[str, torch.Size] = {}
         self._layer_cache: dict[float, dict[str, float]] = {}
@@ -338,7 +360,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         for handle in self._optimizer_handles.pop(id(optimizer), []):
             handle.remove()
         self._optimizers = [o for o in self._optimizers if o is not optimizer]
-        for table in (self._optimizer_version, self._optimizer_state_len):
+        for table in (self._optimizer_version, self._optimizer_state_len, self._keeps_zeros):
             table.pop(id(optimizer), None)
 
     # ------------------------------------------------------------------ per-step path
@@ -359,7 +381,7 @@ class SparsityAlgorithm(pl.Callback, ABC):
         if optimizer is self._optimizers[0]:
             self.step += 1
         sps = self._params_of(optimizer)
-        if sps:
+        if sps and not self._keeps_zeros.get(id(optimizer), False):
             zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
         if len(optimizer.state) != self._optimizer_state_len.get(id(optimizer)):
             self._prune_optimizer_state(optimizer, sps)  # states created lazily by this step
@@ -384,16 +406,17 @@ class SparsityAlgorithm(pl.Callback, ABC):
     def _prune_optimizer_state(
         self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]
     ) -> None:
+        dense_state = False
         with torch.no_grad():
             for sp in sps:
                 for value in optimizer.state.get(sp.param, {}).values():
-                    if (
-                        torch.is_tensor(value)
-                        and value.shape == sp.param.shape
-                        and not getattr(value, "requires_dense", False)
-                    ):
-                        zero_pruned_(value, sp.mask)
+                    if torch.is_tensor(value) and value.shape == sp.param.shape:
+                        if getattr(value, "requires_dense", False):
+                            dense_state = True
+                        else:
+                            zero_pruned_(value, sp.mask)
         self._optimizer_state_len[id(optimizer)] = len(optimizer.state)
+        self._keeps_zeros[id(optimizer)] = not dense_state and keeps_pruned_zero(optimizer)
 
     def set_masks_(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
         """Install new masks (name -> bool mask) computed for ``targets`` (name -> sparsity),

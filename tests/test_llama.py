@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_sparse.models.llama import Llama, LlamaConfig, apply_rope, rope_tables
+from lightning_sparse.models.llama import Llama, LlamaConfig, apply_rope, generate, rope_tables
 
 
 def tiny(**overrides) -> Llama:
@@ -113,3 +113,45 @@ def test_too_long_input_and_bad_config_raise():
 def test_default_ffn_hidden_is_rounded_swiglu_width():
     assert LlamaConfig(dim=256).ffn_hidden == 704  # 8/3 * 256 = 682.7 -> multiple of 32
     assert LlamaConfig(dim=256, ffn_hidden=100).ffn_hidden == 100
+
+
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_kv_cache_logits_equal_the_full_forward(kv_heads: int | None) -> None:
+    model = tiny(n_heads=4, n_kv_heads=kv_heads).eval()
+    idx = torch.randint(0, 256, (2, 20))
+    with torch.no_grad():
+        full = model(idx)
+        cache = model.new_cache(2)
+        parts = [model(idx[:, :7], cache=cache)]  # prompt from position 0
+        parts += [model(idx[:, i : i + 1], cache=cache) for i in range(7, 12)]  # one by one
+        parts.append(model(idx[:, 12:], cache=cache))  # a chunk of 8 after a prefix
+    assert cache.length == 20
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_cached_generate_gives_the_uncached_tokens() -> None:
+    model = tiny().eval()
+    prompt = torch.randint(0, 256, (2, 5))
+
+    def uncached(idx: torch.Tensor) -> torch.Tensor:  # no new_cache: the full-context path
+        return model(idx)
+
+    limit = model.config.max_seq_len
+    for new in (9, 70):  # 70: past max_seq_len = 64, where the window is re-encoded
+        cached = generate(model, prompt, new, limit, temperature=0)
+        reference = generate(uncached, prompt, new, limit, temperature=0)
+        assert torch.equal(cached, reference), new
+    g = torch.Generator().manual_seed(1)
+    sampled = generate(model, prompt, 12, limit, temperature=0.8, top_k=20, generator=g)
+    g = torch.Generator().manual_seed(1)
+    assert torch.equal(sampled, generate(uncached, prompt, 12, limit, 0.8, 20, g))
+
+
+def test_kv_cache_overflow_and_oversized_window_raise() -> None:
+    model = tiny().eval()
+    cache = model.new_cache(1)
+    model(torch.zeros(1, 60, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="max_seq_len=64"):
+        model(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="cache of 64 positions"):
+        generate(model, torch.zeros(1, 3, dtype=torch.long), 2, 100)

@@ -131,19 +131,37 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: [B, T, dim], cos/sin: [T, head_dim] -> [B, T, dim]."""
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None = None,
+        start: int = 0,
+    ) -> Tensor:  # fmt: skip
+        """x: [B, T, dim], cos/sin: [T, head_dim] -> [B, T, dim].
+
+        With ``kv`` (this layer's cache buffers, each ``[B, n_kv_heads, max_len, head_dim]``)
+        the new keys and values are written at positions ``start .. start + T - 1`` and the
+        queries attend to every cached position up to their own.
+        """
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask, causal = None, True
+        if kv is not None:
+            kv[0][:, :, start : start + T] = k
+            kv[1][:, :, start : start + T] = v
+            k, v = kv[0][:, :, : start + T], kv[1][:, :, : start + T]
+            if start > 0:  # query i (position start + i) sees keys 0 .. start + i
+                causal = False
+                if T > 1:
+                    keys = torch.arange(start + T, device=x.device)
+                    mask = keys <= torch.arange(start, start + T, device=x.device).unsqueeze(1)
         if self.n_kv_heads != self.n_heads:
             # Each KV head serves n_heads / n_kv_heads consecutive query heads.
             repeats = self.n_heads // self.n_kv_heads
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, head_dim]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))  # y: [B, H, T, head_dim]
 
 
 class FeedForward(nn.Module):
@@ -170,10 +188,39 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x: [B, T, dim] -> [B, T, dim]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, kv: tuple[Tensor, Tensor] | None = None,
+        start: int = 0,
+    ) -> Tensor:  # fmt: skip
+        """x: [B, T, dim] -> [B, T, dim]; ``kv``/``start`` as in `Attention.forward`."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, start)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class KVCache:
+    """Keys and values of the positions a decoder has seen, for incremental decoding.
+
+    Attributes:
+        keys, values: ``[n_layers, B, n_kv_heads, max_len, head_dim]`` buffers.
+        length: positions filled so far (the next token's position).
+    """
+
+    def __init__(
+        self, cfg: LlamaConfig, batch: int, dtype: torch.dtype, device: torch.device | str,
+    ) -> None:  # fmt: skip
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache holds (the model's ``max_seq_len``)."""
+        return self.keys.shape[3]
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are reused)."""
+        self.length = 0
 
 
 class Llama(nn.Module):
@@ -205,19 +252,33 @@ class Llama(nn.Module):
             else:  # RMSNorm gains
                 nn.init.ones_(p)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        """idx: LongTensor [B, T] with T <= max_seq_len -> logits [B, T, vocab_size]."""
+    def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
+        """idx: LongTensor [B, T] with T <= max_seq_len -> logits [B, T, vocab_size].
+
+        With a ``cache`` (from `new_cache`), ``idx`` continues the ``cache.length`` positions
+        already seen (their keys and values are reused, the new ones appended); the logits are
+        those of the whole sequence at the new positions.
+        """
         T = idx.shape[1]
-        if T > self.config.max_seq_len:
+        start = 0 if cache is None else cache.length
+        if start + T > self.config.max_seq_len:
             raise ValueError(
-                f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}; "
-                "crop the input or build the model with a larger max_seq_len"
+                f"sequence length {start + T} exceeds max_seq_len={self.config.max_seq_len}; "
+                "crop the input (or reset the cache) or build the model with a larger max_seq_len"
             )
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = self.rope_cos[start : start + T], self.rope_sin[start : start + T]
         x = self.embed_tokens(idx)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x = layer(x, cos, sin, kv, start)
+        if cache is not None:
+            cache.length = start + T
         return self.lm_head(self.norm(x))
+
+    def new_cache(self, batch: int) -> KVCache:
+        """An empty `KVCache` for ``batch`` sequences, in this model's dtype and device."""
+        weight = self.embed_tokens.weight
+        return KVCache(self.config, batch, weight.dtype, weight.device)
 
     def num_params(self) -> int:
         """Number of distinct parameters (a tied embedding counts once)."""
@@ -248,7 +309,13 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
 ) -> Tensor:
-    """Autoregressive sampling without a KV cache, for any model mapping ids to logits.
+    """Autoregressive sampling for any model mapping ids to logits.
+
+    A model with ``new_cache(batch)`` (`Llama`) decodes incrementally: the prompt runs once,
+    then each step runs only the new token against a `KVCache`. Once the sequence fills
+    ``max_seq_len``, every step re-encodes the last ``max_seq_len`` tokens from position 0, as
+    the uncached path does, so both give the same tokens. Other models run the whole (cropped)
+    context every step.
 
     Args:
         model: Maps LongTensor [B, T] to logits [B, T, V].
@@ -262,16 +329,34 @@ def generate(
     Returns:
         LongTensor [B, T + max_new_tokens].
     """
-    for _ in range(max_new_tokens):
-        logits = model(idx[:, -max_seq_len:])[:, -1, :].float()  # [B, V]
-        if temperature == 0:
-            next_id = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            probs = F.softmax(logits, dim=-1)
-            next_id = torch.multinomial(probs, num_samples=1, generator=generator)
+    new_cache = getattr(model, "new_cache", None)
+    cache = new_cache(idx.shape[0]) if callable(new_cache) and max_new_tokens > 0 else None
+    if cache is not None and cache.capacity < max_seq_len:
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds the model's cache of {cache.capacity} positions"
+        )
+    for i in range(max_new_tokens):
+        if cache is None:
+            logits = model(idx[:, -max_seq_len:])
+        elif i > 0 and cache.length < max_seq_len:
+            logits = model(idx[:, -1:], cache=cache)  # only the newest token
+        else:  # the prompt, or a full window re-encoded from position 0
+            cache.reset()
+            logits = model(idx[:, -max_seq_len:], cache=cache)
+        next_id = _sample(logits[:, -1, :].float(), temperature, top_k, generator)  # [B, 1]
         idx = torch.cat([idx, next_id], dim=1)
     return idx
+
+
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """Next token ids [B, 1] from logits [B, V]: argmax at temperature 0, else sampled."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, num_samples=1, generator=generator)

@@ -4,7 +4,8 @@ weight memory, versus the dense model.
 Variants (one process, round-robin, order rotated each round, median of rounds):
 
 - ``dense``: the recipe model (dim 128, 4 layers, 4 heads, vocab 256, max_seq_len 128, fp32)
-  without masks, plain `nn.Linear` on the CPU;
+  without masks, plain `nn.Linear` on the CPU (``--dim``/``--layers``/``--heads`` change the
+  width, depth and heads for a larger Llama of the same shape);
 - ``cpu 0.90``: the same weights with 90% masks, masked dense on the CPU (what
   ``accelerator="cpu"`` runs);
 - ``wse <s>``: masks at each sparsity of the curve on the 28 ``*layers.*_proj.weight``
@@ -13,15 +14,16 @@ Variants (one process, round-robin, order rotated each round, median of rounds):
   stay dense, as in the recipe.
 
 Two measures: ``generate`` = `Llama.generate` (greedy, batch 1, ``--prompt`` tokens then
-``--new`` tokens; the library's decoder has no KV cache, so token ``t`` runs the model over the
-whole context), and ``1-token`` = one forward of a single token (the per-token Linear work of a
-KV-cached decoder, without the attention over a cache). Memory: weight bytes of the 28 masked
+``--new`` tokens, decoded incrementally with the model's KV cache: one token through the model
+per step), and ``1-token`` = one forward of a single token without a cache (the per-token
+Linear work alone). Memory: weight bytes of the 28 masked
 matrices in CSR (fp32 values, int32 indices) versus dense fp32: ``forward`` = values + column
 indices + row pointers (what inference needs), ``both`` = plus the transposed structure training
 walks, and ``host`` = what the emulator's `CSRWeight` objects actually hold (both structures,
 the flat gather indices, a value snapshot and a bool mask).
 
     python benchmarks/bench_wse_decode.py [--rounds 7] [--prompt 32] [--new 64] [--threads 2]
+    python benchmarks/bench_wse_decode.py --dim 1024 --sparsities 0.9   # a memory-bound size
 
 Goals at 90%: generate tokens/s >= 3x dense; forward-CSR weight memory <= 0.25x dense.
 """
@@ -71,7 +73,7 @@ def host_bytes(model: nn.Module) -> int:
 
 
 def linear_share(model: Llama, run: Callable[[], object]) -> float:
-    """Share of the wall time of ``run()`` spent inside ``model``'s 28 sparsifiable Linear
+    """Share of the wall time of ``run()`` spent inside ``model``'s sparsifiable Linear
     calls."""
     spent = [0.0]
     starts: dict[int, float] = {}
@@ -118,6 +120,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)))
+    parser.add_argument("--dim", type=int, default=RECIPE["dim"], help="model width")
+    parser.add_argument("--layers", type=int, default=RECIPE["n_layers"], help="model depth")
+    parser.add_argument("--heads", type=int, default=RECIPE["n_heads"], help="attention heads")
     parser.add_argument("--quick", action="store_true", help="few tokens and rounds (smoke run)")
     args = parser.parse_args()
     sparsities = [float(s) for s in args.sparsities.split(",")]
@@ -125,14 +130,16 @@ def main() -> None:
         args.rounds, args.prompt, args.new, sparsities = 2, 8, 4, [GOAL_SPARSITY]
     torch.set_num_threads(args.threads)
     quiet()
-    cfg = LlamaConfig(**RECIPE)
+    shape = dict(RECIPE, dim=args.dim, n_layers=args.layers, n_heads=args.heads)
+    cfg = LlamaConfig(**shape)
     generator = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, cfg.vocab_size, (1, args.prompt), generator=generator)
     one = prompt[:, -1:]
     print(machine_facts())
     print(
-        f"model: recipe Llama {RECIPE}, fp32, batch 1; generate: {args.prompt}-token prompt + "
-        f"{args.new} new tokens (greedy, no KV cache); 1-token: model(idx[:, -1:]); "
+        f"model: {'recipe ' if shape == RECIPE else ''}Llama {shape}, ffn_hidden "
+        f"{cfg.ffn_hidden}, fp32, batch 1; generate: {args.prompt}-token prompt + "
+        f"{args.new} new tokens (greedy, KV cache); 1-token: model(idx[:, -1:]); "
         f"{args.rounds} rounds after a warm-up, rotated, medians"
     )
     models: dict[str, Llama] = {"dense": build(cfg, None, args.seed)}
@@ -170,8 +177,9 @@ def main() -> None:
     dense_tps = args.new / gen["dense"]
     dense_one = args.new / fwd["dense"]
     print(
-        f"\ndense: generate {dense_tps:.1f} tokens/s, 1-token forward {dense_one:.1f}/s; the 28 "
-        f"sparsifiable Linear calls take {share:.0%} of dense generate time and {share_one:.0%} "
+        f"\ndense: generate {dense_tps:.1f} tokens/s, 1-token forward {dense_one:.1f}/s; the "
+        f"{7 * cfg.n_layers} sparsifiable Linear calls take {share:.0%} of dense generate time "
+        f"and {share_one:.0%} "
         f"of the 1-token forward (bounds on any speedup from them: {1 / (1 - share):.2f}x and "
         f"{1 / (1 - share_one):.2f}x)\n"
     )
@@ -196,7 +204,7 @@ def main() -> None:
             f"{str(same.get(name, '-')):>8}"
         )
     print(
-        "\nmem = weight bytes of the 28 masked matrices / dense fp32: fwd = CSR values + int32 "
+        "\nmem = weight bytes of the masked matrices / dense fp32: fwd = CSR values + int32 "
         "column indices + row pointers; both = plus the transposed structure (training); host = "
         "the emulator's CSRWeight objects. = masked: the device's greedy tokens equal those of the "
         "same masked model run dense."

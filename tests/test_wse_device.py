@@ -513,3 +513,77 @@ def test_predict_and_generate_from_a_sparse_checkpoint_run_in_csr(tmp_path: Path
     assert torch.equal(tokens, reference) and torch.equal(tokens, cpu[:1])
     forward = executor.stats.total_flops["forward"]
     assert executor.stats.total_rebuilds == 14 and forward[0] < 0.5 * forward[1]
+
+
+# ------------------------------------------------------------------ inference fast path
+@pytest.mark.parametrize("path", [PATH, "dense"])
+def test_inference_follows_every_change_of_weight_mask_and_bias(path: str) -> None:
+    """Without autograd the device reuses gathered values and a resolved runner; every write
+    to the weight (optimizer step, load_state_dict), a mask update and a new bias must show."""
+    torch.manual_seed(0)
+    layer = nn.Linear(12, 10)
+    layer.apply(Static(0.7, param_filter="weight"))
+    mask = layer.weight_mask
+
+    def expected(x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight * layer.weight_mask, layer.bias)
+
+    with on_wse(layer, path=path) as executor:
+        x = torch.randn(3, 12)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), expected(x))
+            torch.testing.assert_close(layer(x[:1]), expected(x[:1]))  # another token count
+            layer.weight.mul_(2.0)  # an optimizer-like in-place write
+            torch.testing.assert_close(layer(x), expected(x))
+            # A write at pruned positions (outside any algorithm): the result stays masked.
+            layer.weight.add_(1.0)
+            torch.testing.assert_close(layer(x), expected(x))
+            layer.load_state_dict({**layer.state_dict(), "weight": torch.randn(10, 12)})
+            torch.testing.assert_close(layer(x), expected(x))
+            mask.copy_(torch.rand(10, 12) < 0.5)  # a mask update
+            torch.testing.assert_close(layer(x), expected(x))
+            layer.bias = nn.Parameter(torch.randn(10))
+            torch.testing.assert_close(layer(x), expected(x))
+        with torch.inference_mode():
+            torch.testing.assert_close(layer(x), expected(x))
+            fresh = torch.randn(2, 12)  # an inference tensor input
+            torch.testing.assert_close(layer(fresh), expected(fresh))
+        # Grad mode again: the training path, a graph to the weight.
+        y = layer(x)
+        assert y.requires_grad
+        y.sum().backward()
+        assert torch.all(layer.weight.grad[~mask] == 0)
+        nnz = int(mask.sum())
+        executor.stats.end_step()
+        with torch.no_grad():
+            layer(x)
+            layer(x)
+        assert executor.stats.end_step()["flops_forward"] == 2 * 2 * 3 * nnz
+
+
+def test_inference_of_a_model_built_under_inference_mode() -> None:
+    with torch.inference_mode():  # weights and masks are inference tensors: no version counter
+        torch.manual_seed(1)
+        layer = nn.Linear(8, 6, bias=False)
+        layer.apply(Static(0.5))
+        x = torch.randn(4, 8)
+        with on_wse(layer, path=PATH):
+            y = layer(x)
+            layer.weight.mul_(3.0)
+            z = layer(x)
+        torch.testing.assert_close(y, F.linear(x, layer.weight / 3.0 * layer.weight_mask))
+        torch.testing.assert_close(z, F.linear(x, layer.weight * layer.weight_mask))
+
+
+def test_cached_generate_on_the_device_equals_masked_dense() -> None:
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.from_preset("tiny")).eval()
+    model.apply(Static(0.8, param_filter="*layers.*_proj.weight"))
+    prompt = torch.randint(0, 256, (2, 6))
+    reference = model.generate(prompt, 20, temperature=0)
+    with on_wse(model, path=PATH) as executor:
+        tokens = model.generate(prompt, 20, temperature=0)
+        logits = model(prompt)
+    assert torch.equal(tokens, reference)
+    torch.testing.assert_close(logits, model(prompt))
+    assert executor.stats.end_step()["flops_forward"] > 0

@@ -31,7 +31,7 @@ from __future__ import annotations
 import time
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,7 +41,12 @@ from torch import Tensor, nn
 
 from lightning_sparse.algorithms.base import SparsityAlgorithm, algorithms_of
 from lightning_sparse.wse.csr import CSRWeight
-from lightning_sparse.wse.kernels import PATHS, sparse_linear
+from lightning_sparse.wse.kernels import (
+    PATHS,
+    inference_runner,
+    resolve_path,
+    sparse_linear,
+)
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
 __all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
@@ -61,6 +66,11 @@ class WSELinear(nn.Linear):
         state = _STATE.get(self)
         if state is None:
             return F.linear(input, self.weight, self.bias)
+        fast = state.fast
+        if fast is not None and not torch.is_grad_enabled():
+            y = fast(self, input)
+            if y is not None:
+                return y
         return state.run(self, input)
 
 
@@ -146,6 +156,12 @@ class _LayerState:
         self.mask: Tensor | None = None  # the tensor the cache was built from
         self.version = -1
         self.owners: list[weakref.ref[SparsityAlgorithm]] = []
+        # Inference: the kept values, gathered once per weight version, and a runner per token
+        # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
+        self.values: Tensor | None = None
+        self.values_key: tuple[CSRWeight, int, Tensor | None] | None = None
+        self.runners: dict[int, Callable[[Tensor], Tensor]] = {}
+        self.fast: _FastInference | None = None
 
     def run(self, module: WSELinear, x: Tensor) -> Tensor:
         weight, bias = module.weight, module.bias
@@ -168,6 +184,14 @@ class _LayerState:
             )
             return F.linear(x, weight, bias)
         csr = self.structure(module, mask)
+        if not torch.is_grad_enabled() or not (
+            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
+        ):
+            y = self._infer(x, weight, mask, bias, csr)
+            self._record(x, y, weight, csr.nnz, dense_grad=False)
+            return y
+        if self.values is not None:  # training gathers per call; free the inference cache
+            self.values, self.values_key, self.runners, self.fast = None, None, {}, None
         dense_grad = (
             torch.is_grad_enabled()
             and weight.requires_grad
@@ -181,6 +205,39 @@ class _LayerState:
             y = sparse_linear(x, weight, csr, bias, path=path)
         self._record(x, y, weight, csr.nnz, dense_grad)
         return y
+
+    def _infer(
+        self, x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None, csr: CSRWeight
+    ) -> Tensor:
+        """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights).
+
+        The kept values are gathered once and reused until the weight is written (its version
+        counter moves: an optimizer step between validation runs, ``load_state_dict``) or the
+        structure or bias changes; per token count, the path "auto" picks is resolved once.
+        """
+        in_features = csr.shape[1]
+        if x.dim() == 0 or x.shape[-1] != in_features:
+            raise ValueError(f"x must be [..., {in_features}], got shape {tuple(x.shape)}")
+        if weight.is_inference():  # no version counter to key a cache on
+            path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
+            values = csr.gather_values(weight.detach())
+            return inference_runner(path, values, csr, weight, mask, bias)(x)
+        key = self.values_key
+        if key is None or key[0] is not csr or key[1] != weight._version or key[2] is not bias:
+            self.values = csr.gather_values(weight.detach())
+            self.values_key = (csr, weight._version, bias)
+            self.runners = {}
+            self.fast = None
+            if not mask.is_inference():
+                self.fast = _FastInference(self, weight, mask, bias, x.dtype, csr.nnz)
+        tokens = x.numel() // in_features if in_features else 0
+        runner = self.runners.get(tokens)
+        if runner is None:
+            path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
+            assert self.values is not None
+            runner = inference_runner(path, self.values, csr, weight, mask, bias)
+            self.runners[tokens] = runner
+        return runner(x)
 
     def structure(self, module: WSELinear, mask: Tensor) -> CSRWeight:
         """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed."""
@@ -224,6 +281,49 @@ class _LayerState:
                     stats, tokens, nnz, numel, x.requires_grad, weight.requires_grad, dense_grad
                 )
             )
+
+
+class _FastInference:
+    """`WSELinear.forward` without autograd when nothing changed since the last call: the same
+    mask (object and version), weight (object and version), bias and input dtype, no autocast,
+    a token count already seen. Returns None otherwise, and `_LayerState.run` takes over (and
+    rebuilds what changed). Records forward FLOPs like `_LayerState._record`."""
+
+    __slots__ = ("state", "weight", "weight_version", "mask", "mask_version", "bias", "dtype",
+                 "in_features", "nnz", "numel")  # fmt: skip
+
+    def __init__(
+        self, state: _LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
+        dtype: torch.dtype, nnz: int,
+    ) -> None:  # fmt: skip
+        self.state, self.weight, self.mask, self.bias, self.dtype = state, weight, mask, bias, dtype
+        self.weight_version, self.mask_version = weight._version, mask._version
+        self.in_features = weight.shape[1]
+        self.nnz, self.numel = nnz, weight.numel()
+
+    def __call__(self, module: WSELinear, x: Tensor) -> Tensor | None:
+        weight, mask = module.weight, module._buffers.get(_MASK)
+        if (
+            weight is not self.weight
+            or weight._version != self.weight_version
+            or mask is not self.mask
+            or mask._version != self.mask_version
+            or module.bias is not self.bias
+            or x.dtype != self.dtype
+            or x.dim() == 0
+            or x.shape[-1] != self.in_features
+            or torch.is_autocast_enabled(x.device.type)
+        ):
+            return None
+        tokens = x.numel() // self.in_features
+        runner = self.state.runners.get(tokens)
+        if runner is None:
+            return None
+        y = runner(x)
+        self.state.executor.stats.add_flops(
+            "forward", 2 * tokens * self.nnz, 2 * tokens * self.numel
+        )
+        return y
 
 
 class _BackwardCounter:

@@ -40,13 +40,14 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from lightning_sparse.masking import zero_pruned_
 from lightning_sparse.wse.csr import CSRWeight
 
 PATHS = ("compiled", "torch", "dense")
@@ -99,6 +100,78 @@ def sparse_linear(
     )
     chosen = resolve_path(x, weight, csr, path, requires_grad)
     return _run_path(chosen, x, weight, csr, bias)
+
+
+def inference_runner(
+    path: str, values: Tensor, csr: CSRWeight, weight: Tensor, mask: Tensor, bias: Tensor | None
+) -> Callable[[Tensor], Tensor]:
+    """A function ``x [..., in] -> [..., out]`` running `sparse_linear`'s forward without autograd
+    on fixed ``values`` (the executor's decode fast path: per call only the output allocation and
+    one native call, nothing re-checked; build a new runner when values, mask or path change).
+
+    Args:
+        path: "compiled", "torch" or "dense" (`resolve_path`).
+        values: `[nnz]` kept values in CSR order; csr: their structure.
+        weight, mask: the live dense weight and its bool mask (used by the "dense" path).
+        bias: optional `[out]`.
+    """
+    out_features, in_features = csr.shape
+    if path == "dense":
+        # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
+        # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
+        masked = zero_pruned_(weight.detach().clone(), mask)
+        dense = weight.detach() if torch.equal(masked, weight) else masked
+        del masked
+        return lambda x: F.linear(x, dense, bias)
+    if path != "compiled":
+        return lambda x: sparse_linear_inference(x, values, csr, bias, path)
+    spmm = _native_function("ls_spmm", values.dtype)
+    bias = None if bias is None else bias.detach().contiguous()
+    pointers = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), values.data_ptr())
+    bias_pointer = None if bias is None else bias.data_ptr()
+    keep = (csr, values, bias)  # the pointers stay valid while the runner lives
+
+    def run(x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        tokens = x2.shape[0]
+        out = x2.new_empty(tokens, out_features)
+        spmm(*pointers, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
+             out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return out.view(*x.shape[:-1], out_features)
+
+    run.keep = keep  # type: ignore[attr-defined]
+    return run
+
+
+def sparse_linear_inference(
+    x: Tensor, values: Tensor, csr: CSRWeight, bias: Tensor | None, path: str
+) -> Tensor:
+    """`sparse_linear`'s forward without autograd, on prebuilt values: the decode fast path.
+
+    No graph, no input checks and no gather of the kept values from the dense weight: the caller
+    (the device's executor) has checked the shapes and keeps ``values`` current.
+
+    Args:
+        x: input `[..., in]`, float32/float64, on ``values``' device.
+        values: `[nnz]` kept weight values in CSR order (`CSRWeight.gather_values`).
+        csr: the structure; bias: optional `[out]`.
+        path: a concrete path, "compiled", "torch" or "dense" (`resolve_path`).
+
+    Returns:
+        `[..., out]`, the forward of `sparse_linear` on the same weight.
+    """
+    out_features, in_features = csr.shape
+    x2 = x.reshape(-1, in_features)
+    if path == "dense":
+        y2 = F.linear(x2, csr.to_dense(values), bias)
+    else:
+        y2 = _BACKENDS[path].matmul(
+            csr.crow_indices, csr.col_indices, values, x2.contiguous(), out_features,
+            None if bias is None else bias.contiguous(),
+        )  # fmt: skip
+    return y2.reshape(*x.shape[:-1], out_features)
 
 
 def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:
@@ -206,12 +279,27 @@ def _autotune(
     xs = torch.randn(tokens, csr.shape[1], **kwargs).requires_grad_(requires_grad)
     ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
     times: dict[str, list[float]] = {p: [] for p in candidates}
+    if requires_grad:
+        runs = {p: functools.partial(_time_once, p, xs, ws, csr, True) for p in candidates}
+    else:  # what inference runs: a runner on pre-gathered values (`inference_runner`)
+        values = csr.gather_values(ws)
+        runners = {p: inference_runner(p, values, csr, ws, csr.mask, None) for p in candidates}
+        runs = {p: functools.partial(_time_runner, runners[p], xs) for p in candidates}
     for repeat in range(_AUTOTUNE_REPEATS + 1):
         for p in candidates:
-            elapsed = _time_once(p, xs, ws, csr, requires_grad)
+            elapsed = runs[p]()
             if repeat:  # the first round is warm-up (allocator, caches, thread pool)
                 times[p].append(elapsed)
     return min(candidates, key=lambda p: min(times[p]))
+
+
+def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor) -> float:
+    _synchronize(x.device)
+    start = time.perf_counter()
+    with torch.no_grad():
+        runner(x)
+    _synchronize(x.device)
+    return time.perf_counter() - start
 
 
 def _time_once(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool) -> float:
@@ -278,9 +366,25 @@ class _SparseLinearFunction(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+class _MaskedWeight(torch.autograd.Function):
+    """``weight * mask`` for a bool mask, by the bit-pattern multiply of `masking.zero_pruned_`
+    (a bool-times-float product takes a slow type-promoting loop on the CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, mask: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(mask)
+        return zero_pruned_(weight.detach().clone(), mask)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return zero_pruned_(grad.clone(), mask), None
+
+
 def _run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
     if path == "dense":
-        return F.linear(x, weight * csr.mask, bias)
+        return F.linear(x, _MaskedWeight.apply(weight, csr.mask), bias)
     out_features, in_features = csr.shape
     y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
     return y2.reshape(*x.shape[:-1], out_features)

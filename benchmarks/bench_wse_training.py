@@ -23,14 +23,21 @@ Goal: wse at 90% >= 1.5x the cpu accelerator at 90% (ratio of median ordinary st
 from __future__ import annotations
 
 import argparse
-import statistics
 import threading
 import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _harness import load_average, machine_facts, make_batches, quiet, run_interleaved
+from _harness import (
+    load_average,
+    machine_facts,
+    make_batches,
+    median_ms,
+    min_ms,
+    quiet,
+    run_interleaved,
+)
 from torch.utils.data import DataLoader
 
 from lightning_sparse import RigL
@@ -190,8 +197,8 @@ def report(
     def ordinary(name: str) -> list[float]:
         return [t for i, t in enumerate(times[name]) if i not in special]
 
-    med = {name: 1e3 * statistics.median(ordinary(name)) for name in times}
-    low = {name: 1e3 * min(ordinary(name)) for name in times}
+    med = {name: median_ms(ordinary(name)) for name in times}
+    low = {name: min_ms(ordinary(name)) for name in times}
     dense = med["cpu dense"]
     print(f"\ncpu dense (no sparsity): median {dense:.1f} ms, min {low['cpu dense']:.1f} ms\n")
     print(

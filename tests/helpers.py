@@ -1,8 +1,17 @@
-"""Small models and LightningModules shared by the tests."""
+"""Small models, LightningModules and the distributed-script runner shared by the tests."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import lightning.pytorch as pl
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -95,3 +104,58 @@ def assert_state_equal(a: object, b: object, path: str = "state") -> None:
         assert torch.is_tensor(b) and torch.equal(a, b), path
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for ``MASTER_PORT``)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ddp_script(
+    script: Path,
+    outdir: Path,
+    name: str,
+    timeout: float,
+    world: int = 2,
+    env: dict[str, str] | None = None,
+    weights_only: bool = True,
+) -> list[Any]:
+    """Run ``python SCRIPT OUTDIR`` (a ``tests/scripts`` file whose Lightning ddp launcher starts
+    the other ranks) and return each rank's ``OUTDIR/rank{r}.pt``.
+
+    The script runs from the repository root with it on ``PYTHONPATH`` (so it can import
+    ``tests.scripts.*``), a free ``MASTER_PORT``, one OpenMP thread, no inherited rank variables,
+    and ``env`` on top. It gets a new session so a hang can be ended with the rank-1 process
+    Lightning started from it; reading the pipe to EOF also waits for rank 1, which inherits it.
+    Fails the test after ``timeout`` seconds or on a nonzero exit status (``name`` says which run).
+    """
+    run_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
+    run_env.update(
+        PYTHONPATH=os.pathsep.join([str(REPO), run_env.get("PYTHONPATH", "")]),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        OMP_NUM_THREADS="1",
+        **(env or {}),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(outdir)],
+        env=run_env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        pytest.fail(f"{name} run did not finish within {timeout} s:\n{output[-4000:]}")
+    assert proc.returncode == 0, f"{name} run failed:\n{output[-6000:]}"
+    return [torch.load(outdir / f"rank{r}.pt", weights_only=weights_only) for r in range(world)]

@@ -13,10 +13,6 @@ re-executes its script, so ``tests/scripts/lightning_ddp.py`` runs as a subproce
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,9 +25,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse import SET, RigL
+from tests.helpers import free_port, run_ddp_script
 from tests.scripts import lightning_ddp
 
-REPO = Path(__file__).resolve().parents[1]
 WORLD = 2
 GLOBAL_BATCH = 16
 STEPS = 9  # updates at steps 2, 4, 6, 8; the last inside the last optimizer step
@@ -40,12 +36,6 @@ TIMEOUT_S = 120
 
 
 # ---------------------------------------------------------------------- shared by both sides
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _mlp() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -161,7 +151,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 def plain_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Run ``_worker`` on two spawned gloo processes once; each rank's results."""
     outdir = tmp_path_factory.mktemp("plain_ddp")
-    context = mp.spawn(_worker, args=(WORLD, _free_port(), str(outdir)), nprocs=WORLD, join=False)
+    context = mp.spawn(_worker, args=(WORLD, free_port(), str(outdir)), nprocs=WORLD, join=False)
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
@@ -180,33 +170,8 @@ def single_process() -> dict[str, dict[str, Any]]:
 def lightning_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Run ``tests/scripts/lightning_ddp.py`` (2 ranks, ``strategy="ddp"``); each rank's results."""
     outdir = tmp_path_factory.mktemp("lightning_ddp")
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-    )
     script = Path(lightning_ddp.__file__)
-    # A new session so a hang can be ended with the rank-1 process Lightning started from it;
-    # reading the pipe to EOF also waits for rank 1, which inherits it.
-    proc = subprocess.Popen(
-        [sys.executable, str(script), str(outdir)],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"Lightning DDP run did not finish within {TIMEOUT_S} s:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"Lightning DDP run failed:\n{output[-6000:]}"
-    return [torch.load(outdir / f"rank{r}.pt") for r in range(WORLD)]
+    return run_ddp_script(script, outdir, "Lightning DDP", TIMEOUT_S, world=WORLD)
 
 
 # ---------------------------------------------------------------------- checks

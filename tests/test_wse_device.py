@@ -9,11 +9,6 @@ and SGD, with gradient accumulation; checkpoints move between the two; two syste
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,10 +33,9 @@ from lightning_sparse.wse import (
     on_wse,
     register_masks,
 )
-from tests.helpers import TinyLM, repeated_batch_loader, token_loader
+from tests.helpers import REPO, TinyLM, repeated_batch_loader, run_ddp_script, token_loader
 from tests.scripts import lightning_ddp
 
-REPO = Path(__file__).resolve().parents[1]
 # Tests run the CSR kernels themselves: "auto" could pick the dense path for these tiny layers.
 PATH = "compiled" if compiled_available() else "torch"
 STEPS = 10
@@ -301,38 +295,10 @@ def test_checkpoint_moves_between_cpu_and_wse(first: str, second: str, tmp_path:
 
 
 # ------------------------------------------------------------------ a cluster of two systems
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_systems_equal_one_cpu_process(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
-    env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        OMP_NUM_THREADS="1",
-        WSE_TEST_KERNEL_PATH=PATH,
-    )
-    proc = subprocess.Popen(
-        [sys.executable, str(REPO / "tests" / "scripts" / "wse_ddp.py"), str(tmp_path)],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"wse_ddp run did not finish:\n{output[-4000:]}")
-    assert proc.returncode == 0, f"wse_ddp run failed:\n{output[-6000:]}"
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    script = REPO / "tests" / "scripts" / "wse_ddp.py"
+    env = {"WSE_TEST_KERNEL_PATH": PATH}
+    ranks = run_ddp_script(script, tmp_path, "wse_ddp", 150, env=env, weights_only=False)
     for kind in lightning_ddp.KINDS:
         single = lightning_ddp.fit(kind, devices=1)  # one CPU process, the global batch
         runs = [rank[kind] for rank in ranks]

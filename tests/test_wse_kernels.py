@@ -47,16 +47,18 @@ def test_csr_structure_hand_computed(compiled: bool) -> None:
     csr = CSRWeight.from_dense(weight, mask, compiled=compiled)
     assert csr.crow_indices.tolist() == [0, 2, 2, 4]
     assert csr.col_indices.tolist() == [0, 2, 0, 1]
-    assert csr.values.tolist() == [1.0, 3.0, 7.0, 8.0]
-    assert csr.flat_indices.tolist() == [0, 2, 6, 7]
-    # Columns of W: col 0 holds rows 0, 2 (CSR positions 0, 2); col 1 row 2 (3); col 2 row 0 (1).
+    assert csr.gather_values(weight).tolist() == [1.0, 3.0, 7.0, 8.0]
+    assert csr.flat_indices().tolist() == [0, 2, 6, 7]
+    # Columns of W: col 0 holds rows 0, 2 (values 1, 7); col 1 row 2 (8); col 2 row 0 (3).
     assert csr.t_crow_indices.tolist() == [0, 2, 3, 4]
     assert csr.t_col_indices.tolist() == [0, 2, 2, 0]
-    assert csr.t_perm.tolist() == [0, 2, 3, 1]
-    for indices in (csr.crow_indices, csr.col_indices, csr.flat_indices, csr.t_crow_indices,
-                    csr.t_col_indices, csr.t_perm):  # fmt: skip
+    assert csr.gather_values_t(weight).tolist() == [1.0, 7.0, 8.0, 3.0]
+    assert csr.flat_indices(transposed=True).tolist() == [0, 6, 7, 2]
+    for indices in (csr.crow_indices, csr.col_indices, csr.t_crow_indices, csr.t_col_indices):
         assert indices.dtype == torch.int32
     assert (csr.nnz, csr.sparsity) == (4, pytest.approx(5 / 9))
+    assert csr.nbytes == 4 * (4 + 4 + 4 + 4)  # indices only: no values, no mask
+    assert torch.equal(csr.to_mask(), mask)
 
 
 def test_csr_round_trips_and_keeps_zero_valued_weights() -> None:
@@ -65,18 +67,27 @@ def test_csr_round_trips_and_keeps_zero_valued_weights() -> None:
     weight[mask.nonzero()[0].tolist()] = 0.0  # a kept weight that happens to be zero
     csr = CSRWeight.from_dense(weight, mask)
     assert csr.nnz == int(mask.sum())
-    torch.testing.assert_close(csr.to_dense(), weight * mask)
-    torch.testing.assert_close(csr.to_torch_csr().to_dense(), weight * mask)
-    torch.testing.assert_close(csr.to_torch_csr(transposed=True).to_dense(), (weight * mask).t())
+    torch.testing.assert_close(csr.to_dense(csr.gather_values(weight)), weight * mask)
+    torch.testing.assert_close(csr.to_torch_csr(weight).to_dense(), weight * mask)
+    torch.testing.assert_close(
+        csr.to_torch_csr(weight, transposed=True).to_dense(), (weight * mask).t()
+    )
 
 
-def test_csr_snapshots_mask_and_gathers_live_values() -> None:
+def test_csr_copies_the_mask_structure_and_gathers_live_values() -> None:
     weight, mask = torch.randn(4, 6), _mask((4, 6), 0.5, seed=2)
     csr = CSRWeight.from_dense(weight, mask)
     expected_mask = mask.clone()
     mask.fill_(True)  # mutating the caller's mask must not change the structure
-    assert torch.equal(csr.mask, expected_mask)
-    torch.testing.assert_close(csr.gather_values(2 * weight), 2 * csr.values)
+    assert torch.equal(csr.to_mask(), expected_mask)
+    values = csr.gather_values(weight)
+    torch.testing.assert_close(csr.gather_values(2 * weight), 2 * values)
+    # The native gathers equal plain indexing, in both orders and for a non-contiguous weight.
+    torch.testing.assert_close(values, weight.reshape(-1)[csr.flat_indices()])
+    t_values = csr.gather_values_t(weight)
+    torch.testing.assert_close(t_values, weight.reshape(-1)[csr.flat_indices(transposed=True)])
+    wide = torch.randn(6, 4).t()  # a non-contiguous [4, 6] weight
+    torch.testing.assert_close(csr.gather_values(wide), wide.reshape(-1)[csr.flat_indices()])
 
 
 @pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
@@ -97,8 +108,7 @@ def test_native_builder_equals_torch_builder(
     finally:
         torch.set_num_threads(previous)
     reference = CSRWeight.from_dense(weight, mask, compiled=False)
-    for field in ("crow_indices", "col_indices", "values", "flat_indices", "t_crow_indices",
-                  "t_col_indices", "t_perm"):  # fmt: skip
+    for field in ("crow_indices", "col_indices", "t_crow_indices", "t_col_indices"):
         expected = getattr(reference, field)
         assert getattr(native, field).dtype == expected.dtype
         assert torch.equal(getattr(native, field), expected), field
@@ -219,15 +229,18 @@ def test_non_contiguous_input_and_expanded_gradient(path: str) -> None:
 
 
 @pytest.mark.parametrize("path", SPARSE_PATHS)
-def test_backward_uses_weight_values_of_forward(path: str) -> None:
+def test_weight_written_before_backward_is_an_error_like_nn_linear(path: str) -> None:
+    # Backward gathers W^T's values from the saved weight (no copy of its values is kept), so an
+    # in-place write in between must fail loudly, as it does for F.linear / nn.Linear.
     weight = torch.randn(6, 4, requires_grad=True)
     x = torch.randn(3, 4, requires_grad=True)
     mask = _mask((6, 4), 0.5, seed=6)
-    expected = torch.autograd.grad(F.linear(x, weight * mask).sum(), x)[0]
-    y = sparse_linear(x, weight, mask, path=path)
-    with torch.no_grad():
-        weight.mul_(3.0)  # an in-place update between forward and backward
-    torch.testing.assert_close(torch.autograd.grad(y.sum(), x)[0], expected)
+    for run in (lambda: F.linear(x, weight), lambda: sparse_linear(x, weight, mask, path=path)):
+        y = run()
+        with torch.no_grad():
+            weight.mul_(3.0)  # an in-place update between forward and backward
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            torch.autograd.grad(y.sum(), x)
 
 
 # --- path selection ----------------------------------------------------------------------------
@@ -286,7 +299,7 @@ def test_auto_measures_once_and_caches_choice() -> None:
     x, weight, csr = _small_problem()
     weight.requires_grad_()
     y = sparse_linear(x, weight, csr)
-    torch.testing.assert_close(y, F.linear(x, weight * csr.mask))
+    torch.testing.assert_close(y, F.linear(x, weight * csr.to_mask()))
     choices = autotune_choices()
     assert len(choices) == 1 and next(iter(choices.values())) in kernels.PATHS
     sparse_linear(torch.randn(7, 24), weight, csr)  # same token bucket (8): no new measurement
@@ -303,3 +316,22 @@ def test_rejects_mismatched_inputs() -> None:
         sparse_linear(torch.randn(5, 25), torch.randn(32, 25), csr)
     with pytest.raises(ValueError, match=r"bias must be \[32\]"):
         sparse_linear(x, weight, csr, torch.randn(31))
+
+
+def test_forward_only_structure_holds_half_the_indices_and_refuses_the_transpose() -> None:
+    weight, mask = torch.randn(40, 30), _mask((40, 30), 0.9, seed=11)
+    full = CSRWeight.from_dense(weight, mask)
+    forward = CSRWeight.from_dense(weight, mask, transpose=False)
+    assert full.has_transpose and not forward.has_transpose
+    assert forward.nbytes == 4 * (41 + full.nnz) and full.nbytes == forward.nbytes + 4 * (
+        31 + full.nnz
+    )
+    assert forward.same_structure(full)
+    torch.testing.assert_close(forward.gather_values(weight), full.gather_values(weight))
+    x = torch.randn(3, 30)
+    with torch.no_grad():
+        torch.testing.assert_close(sparse_linear(x, weight, forward), F.linear(x, weight * mask))
+    with pytest.raises(ValueError, match="forward-only"):
+        forward.gather_values_t(weight)
+    with pytest.raises(ValueError, match="forward-only"):
+        sparse_linear(x.requires_grad_(), weight, forward).sum().backward()

@@ -2,11 +2,13 @@
 
 A `CSRWeight` holds the compressed-sparse-row structure of a weight `W [out, in]` under a bool mask
 (True = kept) together with the same structure transposed (the CSR of `W^T`, i.e. the CSC of `W`),
-which the input gradient `grad_X = grad_Y W` walks. Indices are compact int32, as the device would
-store them. The structure depends only on the mask; values are re-gathered from the live weight on
-every call (`gather_values`), so an optimizer step never invalidates a `CSRWeight`, only a mask
-change does. Rebuilding is one native pass over the mask when the compiled kernels are available
-(see `kernels.py`), else a handful of vectorised tensor ops; never a Python loop over elements.
+which the input gradient `grad_X = grad_Y W` walks. It holds indices only, compact int32 as the
+device would store them: two index sets of `nnz` entries plus two row-pointer arrays, 8 bytes per
+kept weight (0.2x a dense fp32 weight at 90% sparsity). Values are gathered from the live weight
+when a kernel needs them (`gather_values`, `gather_values_t`), so an optimizer step never
+invalidates a `CSRWeight`, only a mask change does. Building is one native pass over the mask when
+the compiled kernels are available (see `kernels.py`), else a handful of vectorised tensor ops;
+never a Python loop over elements.
 """
 
 from __future__ import annotations
@@ -29,37 +31,34 @@ class CSRWeight:
         shape: `(out, in)` of the dense weight.
         crow_indices: int32 `[out + 1]`; row `i` owns entries `crow_indices[i]:crow_indices[i+1]`.
         col_indices: int32 `[nnz]`; input column of each entry, ascending within a row.
-        values: `[nnz]` weight values in CSR order, a detached snapshot taken at build time.
-        flat_indices: int32 `[nnz]`; `row * in + col` of each entry, for gathering live values.
-        t_crow_indices: int32 `[in + 1]`; row pointers of `W^T` (column pointers of `W`).
-        t_col_indices: int32 `[nnz]`; the `W` row of each entry in transposed order.
-        t_perm: int32 `[nnz]`; CSR position of each transposed entry, so the values of `W^T` in
-            its own CSR order are `values[t_perm]`.
-        mask: bool `[out, in]` snapshot of the mask (used by the dense execution path).
+        t_crow_indices: int32 `[in + 1]`; row pointers of `W^T` (column pointers of `W`); None
+            in a forward-only structure (``transpose=False``: inference needs no input gradient).
+        t_col_indices: int32 `[nnz]`; the `W` row of each entry in transposed order, ascending
+            within each column; None in a forward-only structure.
     """
 
     shape: tuple[int, int]
     crow_indices: Tensor
     col_indices: Tensor
-    values: Tensor
-    flat_indices: Tensor
-    t_crow_indices: Tensor
-    t_col_indices: Tensor
-    t_perm: Tensor
-    mask: Tensor
+    t_crow_indices: Tensor | None
+    t_col_indices: Tensor | None
 
     @classmethod
-    def from_dense(cls, weight: Tensor, mask: Tensor, *, compiled: bool | None = None) -> CSRWeight:
-        """Builds the CSR and transposed-CSR structure of `weight` under `mask`.
+    def from_dense(
+        cls, weight: Tensor, mask: Tensor, *, compiled: bool | None = None, transpose: bool = True
+    ) -> CSRWeight:
+        """Builds the CSR and transposed-CSR structure of `mask` for `weight`.
 
         Entries are exactly the True positions of the mask, even where the weight value is 0
         (unlike `Tensor.to_sparse_csr`, which drops zeros and would lose their gradients).
 
         Args:
-            weight: dense weight `[out, in]`; only its kept values are copied.
+            weight: dense weight `[out, in]` (its shape and device are checked; no values kept).
             mask: bool `[out, in]`, True = kept.
             compiled: use the native builder (True), PyTorch ops (False), or the native builder
                 whenever it is available for this device (None). Both give identical results.
+            transpose: also build the transposed structure (what the input gradient walks);
+                False halves the indices held, for inference.
 
         Returns:
             The structure. Cost: one O(out * in) pass over the mask plus O(nnz) work.
@@ -83,19 +82,10 @@ class CSRWeight:
             raise ValueError(
                 f"a {out_features}x{in_features} weight is too large for int32 CSR indices"
             )
-        mask = mask.detach().clone()
-        crow, cols, flat, t_crow, t_col, t_perm = _indices(mask, compiled)
-        return cls(
-            shape=(out_features, in_features),
-            crow_indices=crow,
-            col_indices=cols,
-            values=weight.detach().reshape(-1).index_select(0, flat),
-            flat_indices=flat,
-            t_crow_indices=t_crow,
-            t_col_indices=t_col,
-            t_perm=t_perm,
-            mask=mask,
-        )
+        crow, cols, t_crow, t_col = _indices(mask.detach(), compiled)
+        if not transpose:
+            t_crow = t_col = None
+        return cls((out_features, in_features), crow, cols, t_crow, t_col)
 
     @property
     def nnz(self) -> int:
@@ -113,37 +103,97 @@ class CSRWeight:
         """Device of the index tensors."""
         return self.col_indices.device
 
+    @property
+    def has_transpose(self) -> bool:
+        """Whether the transposed structure (for the input gradient) was built."""
+        return self.t_col_indices is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this structure holds (its index tensors)."""
+        fields = (self.crow_indices, self.col_indices, self.t_crow_indices, self.t_col_indices)
+        return sum(t.nbytes for t in fields if t is not None)
+
+    def same_structure(self, other: CSRWeight) -> bool:
+        """Whether ``other`` has exactly this structure (same shape and kept positions)."""
+        return (
+            self.shape == other.shape
+            and self.device == other.device
+            and torch.equal(self.crow_indices, other.crow_indices)
+            and torch.equal(self.col_indices, other.col_indices)
+        )
+
     def gather_values(self, weight: Tensor) -> Tensor:
         """Kept values of a (live) dense `weight` in CSR order, shape `[nnz]`.
 
         Raises:
             ValueError: if `weight` does not have this structure's shape.
         """
+        return self._gather(weight, transposed=False)
+
+    def gather_values_t(self, weight: Tensor) -> Tensor:
+        """Kept values of `weight` in the transposed structure's order (the CSR values of
+        `W^T`), shape `[nnz]`."""
+        return self._gather(weight, transposed=True)
+
+    def _gather(self, weight: Tensor, transposed: bool) -> Tensor:
         if tuple(weight.shape) != self.shape:
             raise ValueError(
                 f"weight shape {tuple(weight.shape)} does not match CSRWeight shape {self.shape}; "
                 "rebuild the CSRWeight after changing the layer"
             )
-        return weight.reshape(-1).index_select(0, self.flat_indices)
+        pointers, indices = (
+            self._transposed() if transposed else (self.crow_indices, self.col_indices)
+        )
+        if _native_gather_ok(weight):
+            from lightning_sparse.wse import kernels  # deferred: kernels.py builds on this module
 
-    def to_dense(self, values: Tensor | None = None) -> Tensor:
-        """Dense `[out, in]` tensor with `values` (default: the snapshot) at kept positions."""
-        values = self.values if values is None else values
+            weight = weight.contiguous()
+            out = weight.new_empty(self.nnz)
+            kernels.native_gather(pointers, indices, weight, transposed, out)
+            return out
+        return weight.reshape(-1).index_select(0, self.flat_indices(transposed))
+
+    def flat_indices(self, transposed: bool = False) -> Tensor:
+        """int64 `[nnz]` positions `row * in + col` in the flattened weight of each entry, in CSR
+        order (or transposed-CSR order); computed, not stored."""
+        rows, cols = self.shape
+        if transposed:
+            t_crow, t_col = self._transposed()
+            return t_col.long() * cols + _entry_rows(t_crow, cols)
+        return _entry_rows(self.crow_indices, rows) * cols + self.col_indices.long()
+
+    def to_mask(self) -> Tensor:
+        """The bool mask `[out, in]` of this structure."""
+        mask = torch.zeros(self.shape[0] * self.shape[1], dtype=torch.bool, device=self.device)
+        mask[self.flat_indices()] = True
+        return mask.view(self.shape)
+
+    def to_dense(self, values: Tensor) -> Tensor:
+        """Dense `[out, in]` tensor with `values` (`[nnz]`, CSR order) at kept positions."""
         dense = values.new_zeros(self.shape[0] * self.shape[1])
-        dense.index_put_((self.flat_indices,), values)
+        dense.index_put_((self.flat_indices(),), values)
         return dense.view(self.shape)
 
-    def to_torch_csr(self, values: Tensor | None = None, transposed: bool = False) -> Tensor:
-        """PyTorch sparse CSR tensor of `W` (or `W^T` with `transposed=True`), sharing indices."""
-        values = self.values if values is None else values
+    def to_torch_csr(self, weight: Tensor, transposed: bool = False) -> Tensor:
+        """PyTorch sparse CSR tensor of `weight`'s kept values (of `W^T` with `transposed=True`),
+        sharing this structure's indices."""
         if transposed:
+            t_crow, t_col = self._transposed()
             return torch.sparse_csr_tensor(
-                self.t_crow_indices,
-                self.t_col_indices,
-                values.index_select(0, self.t_perm),
-                (self.shape[1], self.shape[0]),
+                t_crow, t_col, self.gather_values_t(weight), (self.shape[1], self.shape[0])
             )
-        return torch.sparse_csr_tensor(self.crow_indices, self.col_indices, values, self.shape)
+        return torch.sparse_csr_tensor(
+            self.crow_indices, self.col_indices, self.gather_values(weight), self.shape
+        )
+
+    def _transposed(self) -> tuple[Tensor, Tensor]:
+        if self.t_crow_indices is None or self.t_col_indices is None:
+            raise ValueError(
+                "this CSRWeight was built forward-only (transpose=False); build it with "
+                "CSRWeight.from_dense(weight, mask) to walk W^T (the input gradient)"
+            )
+        return self.t_crow_indices, self.t_col_indices
 
     def __repr__(self) -> str:
         return (
@@ -152,15 +202,32 @@ class CSRWeight:
         )
 
 
-def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, ...]:
-    """int32 `(crow, col, flat, t_crow, t_col, t_perm)` of a bool mask, natively or in PyTorch."""
+def _native_gather_ok(weight: Tensor) -> bool:
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.float64):
+        return False
+    if type(weight) not in (torch.Tensor, torch.nn.Parameter):
+        return False
+    from lightning_sparse.wse import kernels
+
+    return kernels.native_unavailable_reason() is None
+
+
+def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
+    """int64 `[nnz]` row of each entry from int32 row pointers `[num_rows + 1]`."""
+    counts = (pointers[1:] - pointers[:-1]).long()
+    return torch.repeat_interleave(torch.arange(num_rows, device=pointers.device), counts)
+
+
+def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """int32 `(crow, col, t_crow, t_col)` of a bool mask, natively or in PyTorch."""
     if compiled is not False and mask.device.type == "cpu":
         # Deferred import: kernels.py builds on this module, and owns the native library.
         from lightning_sparse.wse import kernels
 
         reason = kernels.native_unavailable_reason()
         if reason is None:
-            return kernels.native_csr_indices(mask)
+            crow, col, _, t_crow, t_col, _ = kernels.native_csr_indices(mask)
+            return crow, col, t_crow, t_col
         if compiled:
             raise ValueError(f"compiled=True but the native CSR builder is unavailable: {reason}")
     elif compiled:
@@ -176,10 +243,8 @@ def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, ...]:
     return (
         _row_pointers(rows, out_features),
         cols,
-        flat.to(torch.int32),
         _row_pointers(cols, in_features),
         rows.to(torch.int32).index_select(0, t_perm),
-        t_perm,
     )
 
 

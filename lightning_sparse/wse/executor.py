@@ -183,10 +183,11 @@ class _LayerState:
                 "dense training).",
             )
             return F.linear(x, weight, bias)
-        csr = self.structure(module, mask)
-        if not torch.is_grad_enabled() or not (
+        inference = not torch.is_grad_enabled() or not (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
-        ):
+        )
+        csr = self.structure(module, mask, transpose=not inference)
+        if inference:
             y = self._infer(x, weight, mask, bias, csr)
             self._record(x, y, weight, csr.nnz, dense_grad=False)
             return y
@@ -239,28 +240,29 @@ class _LayerState:
             self.runners[tokens] = runner
         return runner(x)
 
-    def structure(self, module: WSELinear, mask: Tensor) -> CSRWeight:
-        """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed."""
+    def structure(self, module: WSELinear, mask: Tensor, transpose: bool = True) -> CSRWeight:
+        """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed (or when
+        training needs the transposed structure a forward-only one lacks)."""
         csr = self.csr
         # A structure built under inference_mode holds inference tensors, which autograd may not
-        # save for backward: rebuild it for training.
-        usable = csr is not None and (
-            not csr.mask.is_inference() or torch.is_inference_mode_enabled()
+        # save for backward: rebuild it for training. Inference builds forward-only structures.
+        usable = (
+            csr is not None
+            and (not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled())
+            and (csr.has_transpose or not transpose)
         )
         version = _version_of(mask)
         if usable and mask is self.mask and version == self.version and version >= 0:
             return csr
-        if (
-            usable
-            and csr.mask.shape == mask.shape
-            and csr.mask.device == mask.device
-            and torch.equal(csr.mask, mask)
-        ):
-            self.mask, self.version = mask, version  # written, but unchanged
-            return csr
         start = time.perf_counter()
-        csr = CSRWeight.from_dense(module.weight.detach(), mask)
+        built = CSRWeight.from_dense(module.weight.detach(), mask, transpose=transpose)
         seconds = time.perf_counter() - start
+        if usable and built.same_structure(csr):
+            # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
+            # structure object, so the caches keyed on it stay valid.
+            self.mask, self.version = mask, version
+            return csr
+        csr = built
         self.csr, self.mask, self.version = csr, mask, version
         self.owners = [weakref.ref(a) for a in self.executor.owners_of(module)]
         out_features, in_features = csr.shape

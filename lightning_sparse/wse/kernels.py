@@ -283,7 +283,8 @@ def _autotune(
         runs = {p: functools.partial(_time_once, p, xs, ws, csr, True) for p in candidates}
     else:  # what inference runs: a runner on pre-gathered values (`inference_runner`)
         values = csr.gather_values(ws)
-        runners = {p: inference_runner(p, values, csr, ws, csr.mask, None) for p in candidates}
+        mask = csr.to_mask()
+        runners = {p: inference_runner(p, values, csr, ws, mask, None) for p in candidates}
         runs = {p: functools.partial(_time_runner, runners[p], xs) for p in candidates}
     for repeat in range(_AUTOTUNE_REPEATS + 1):
         for p in candidates:
@@ -339,26 +340,28 @@ class _SparseLinearFunction(torch.autograd.Function):
         ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
     ) -> Tensor:
         x2 = x2.contiguous()
-        values = csr.gather_values(weight.detach())
+        weight = weight.detach()
+        values = csr.gather_values(weight)
         bias = None if bias is None else bias.detach().contiguous()
         y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
-        # `values` is a fresh gather, so later in-place updates of `weight` cannot corrupt backward.
-        ctx.save_for_backward(x2, values)
+        # The weight itself is saved (no copy of its values): autograd's version check raises if
+        # it is written in place before backward, which gathers W^T's values from it.
+        ctx.save_for_backward(x2, weight)
         ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
         return y2
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
-        x2, values = ctx.saved_tensors
+        x2, weight = ctx.saved_tensors
         csr, backend = ctx.csr, ctx.backend
         grad_y2 = grad_y2.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            t_values = values.index_select(0, csr.t_perm)
-            grad_x = backend.matmul(
-                csr.t_crow_indices, csr.t_col_indices, t_values, grad_y2, csr.shape[1], None
-            )
+            t_values = csr.gather_values_t(weight)  # raises on a forward-only structure
+            t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
+            assert t_crow is not None and t_col is not None
+            grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
         if ctx.needs_input_grad[1]:
             grad_w = backend.sampled_grad(csr, grad_y2, x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -384,7 +387,7 @@ class _MaskedWeight(torch.autograd.Function):
 
 def _run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
     if path == "dense":
-        return F.linear(x, _MaskedWeight.apply(weight, csr.mask), bias)
+        return F.linear(x, _MaskedWeight.apply(weight, csr.to_mask()), bias)
     out_features, in_features = csr.shape
     y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
     return y2.reshape(*x.shape[:-1], out_features)
@@ -464,6 +467,10 @@ def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
         sddmm = getattr(lib, f"ls_sddmm_{suffix}")
         sddmm.argtypes = [pointer] * 4 + [size] * 3 + [pointer, ctypes.c_int]
         sddmm.restype = ctypes.c_int
+        for name in ("ls_gather", "ls_gather_t"):
+            function = getattr(lib, f"{name}_{suffix}")
+            function.argtypes = [pointer] * 3 + [size] * 2 + [pointer, ctypes.c_int]
+            function.restype = None
     return lib, None
 
 
@@ -555,6 +562,19 @@ def native_csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Te
     if status != 0:
         raise MemoryError("the native CSR builder could not allocate its work buffer")
     return crow, col, flat, t_crow, t_col, t_perm
+
+
+def native_gather(
+    pointers: Tensor, indices: Tensor, weight: Tensor, transposed: bool, out: Tensor
+) -> None:
+    """``out [nnz]`` = kept values of the contiguous CPU ``weight [M, K]`` in CSR order
+    (``pointers``/``indices`` = crow/col) or transposed-CSR order (t_crow/t_col)."""
+    name = "ls_gather_t" if transposed else "ls_gather"
+    rows, cols = weight.shape
+    _native_function(name, weight.dtype)(
+        pointers.data_ptr(), indices.data_ptr(), weight.data_ptr(), rows, cols, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
 
 
 def _native_spmm(
@@ -1082,7 +1102,42 @@ int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int
 
 }  // namespace
 
+// --- Kept values of a dense W [M, K] in CSR order (rows) or in transposed-CSR order (columns) ---
+template <typename S>
+void gather(const int32_t* crow, const int32_t* col, const S* W, int64_t M, int64_t K, S* out,
+            int threads) {
+  const int team = threads_for(crow[M], 1, M, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t i = 0; i < M; ++i) {
+    const S* w = W + i * K;
+    for (int32_t k = crow[i]; k < crow[i + 1]; ++k) out[k] = w[col[k]];
+  }
+}
+template <typename S>
+void gather_t(const int32_t* t_crow, const int32_t* t_col, const S* W, int64_t M, int64_t K,
+              S* out, int threads) {
+  const int team = threads_for(t_crow[K], 1, K, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t j = 0; j < K; ++j)
+    for (int32_t k = t_crow[j]; k < t_crow[j + 1]; ++k) out[k] = W[int64_t{t_col[k]} * K + j];
+}
 extern "C" {
+void ls_gather_f32(const int32_t* crow, const int32_t* col, const float* W, int64_t M, int64_t K,
+                   float* out, int threads) {
+  gather<float>(crow, col, W, M, K, out, threads);
+}
+void ls_gather_f64(const int32_t* crow, const int32_t* col, const double* W, int64_t M, int64_t K,
+                   double* out, int threads) {
+  gather<double>(crow, col, W, M, K, out, threads);
+}
+void ls_gather_t_f32(const int32_t* t_crow, const int32_t* t_col, const float* W, int64_t M,
+                     int64_t K, float* out, int threads) {
+  gather_t<float>(t_crow, t_col, W, M, K, out, threads);
+}
+void ls_gather_t_f64(const int32_t* t_crow, const int32_t* t_col, const double* W, int64_t M,
+                     int64_t K, double* out, int threads) {
+  gather_t<double>(t_crow, t_col, W, M, K, out, threads);
+}
 int64_t ls_csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
   return csr_count(mask, M, K, crow, threads);
 }

@@ -17,6 +17,8 @@ see the same gradient up to float64 rounding.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +80,19 @@ def _masks(algorithm: SET) -> dict[str, torch.Tensor]:
     return {name: sp.mask.clone() for name, sp in algorithm.sparse_params.items()}
 
 
-def fit(kind: str, devices: int) -> dict[str, Any]:
-    """Fit for STEPS steps; return masks after every update, final masks and weights, counters."""
+def train(kind: str, **trainer_kwargs: Any) -> tuple[dict[str, Any], pl.Trainer, SET, Regressor]:
+    """Fit a fresh ``Regressor`` with ``make_algorithm(kind)`` for STEPS steps on a quiet Trainer
+    (``trainer_kwargs`` pick the accelerator, devices and strategy).
+
+    Returns the record every script saves (rank, world size, algorithm step, masks after every
+    update, final masks and weights) and the trainer, algorithm and module for further entries.
+    """
     algorithm = make_algorithm(kind)
     history: dict[int, dict[str, torch.Tensor]] = {}
     algorithm.register_update_hook(lambda a, step, stats: history.__setitem__(step, _masks(a)))
     module = Regressor()
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        **trainer_kwargs,
         max_steps=STEPS,
         callbacks=[algorithm],
         logger=False,
@@ -96,20 +101,36 @@ def fit(kind: str, devices: int) -> dict[str, Any]:
         enable_model_summary=False,
     )
     trainer.fit(module)
-    return {
+    record = {
         "rank": trainer.global_rank,
         "world_size": trainer.world_size,
         "step": algorithm.step,
-        "global_step": trainer.global_step,
         "history": history,
         "masks": _masks(algorithm),
-        "ever_active": {name: m.clone() for name, m in algorithm.ever_active.items()},
         "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
     }
+    return record, trainer, algorithm, module
 
 
-def main(outdir: Path) -> None:
-    results = {kind: fit(kind, devices=WORLD) for kind in KINDS}
+def fit(kind: str, devices: int) -> dict[str, Any]:
+    """Fit for STEPS steps; return masks after every update, final masks and weights, counters."""
+    record, trainer, algorithm, _ = train(
+        kind,
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+    )
+    record["global_step"] = trainer.global_step
+    record["ever_active"] = {name: m.clone() for name, m in algorithm.ever_active.items()}
+    return record
+
+
+def main(outdir: Path, fit_kind: Callable[[str], dict[str, Any]] | None = None) -> None:
+    """Save ``{kind: fit_kind(kind)}`` to ``OUTDIR/rank{r}.pt`` (default: ``fit`` on WORLD
+    processes), then wait for every rank."""
+    if fit_kind is None:
+        fit_kind = partial(fit, devices=WORLD)
+    results = {kind: fit_kind(kind) for kind in KINDS}
     rank = results[KINDS[0]]["rank"]
     torch.save(results, outdir / f"rank{rank}.pt")
     # Rank 0's exit ends the test's wait: make sure rank 1 has written its file by then.

@@ -858,15 +858,18 @@ void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, con
   const int64_t T_cap = cap * kLanes<S>;
   threads = threads_for(crow[M], N, K + M, threads);
   if (threads == 1 || N >= threads * kMinTokensPerThread) {
-    // Token-parallel: each thread owns a contiguous token range and a private tile, no barriers.
+    // Token-parallel: threads take tiles of tokens one at a time (each tile is independent, so
+    // the result does not depend on who computes it), each into a private transposed buffer; a
+    // thread the OS deschedules on a busy machine then simply takes fewer tiles.
+    const int64_t tiles = (N + T_cap - 1) / T_cap;
 #pragma omp parallel num_threads(threads)
     {
-      const int team = omp_get_num_threads(), me = omp_get_thread_num();
-      const int64_t a = N * me / team, b = N * (me + 1) / team;
       Buffer xbuf(sizeof(S) * K * T_cap);
       S* xt = static_cast<S*>(xbuf.ptr);
-      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
-        const int64_t tn = std::min(T_cap, b - n0);
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t n0 = tile * T_cap;
+        const int64_t tn = std::min(T_cap, N - n0);
         with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
           constexpr int T = decltype(nv)::value * kLanes<S>;
           transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);

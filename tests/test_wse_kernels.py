@@ -94,7 +94,8 @@ def test_csr_copies_the_mask_structure_and_gathers_live_values() -> None:
 @pytest.mark.parametrize(
     ("shape", "sparsity"),
     [((3, 3), 0.5), ((1, 1), 0.0), ((5, 0), 0.5), ((0, 4), 0.5), ((37, 9), 1.0),
-     ((100, 1000), 0.999), ((3, 700), 0.2), ((260, 130), 0.6)],
+     ((100, 1000), 0.999), ((3, 700), 0.2), ((260, 130), 0.6),
+     ((600, 500), 0.9)],  # above the size where the build goes parallel
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_builder_equals_torch_builder(

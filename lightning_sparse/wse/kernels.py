@@ -1019,8 +1019,15 @@ inline uint32_t byte_bits(const uint8_t* p) {
 }
 
 // Row pointers crow [M + 1] of the kept (nonzero) bytes of mask [M, K]; returns nnz.
+// Masks below this many entries are built on one thread: a parallel region costs microseconds,
+// and on a busy machine a descheduled team member stalls it for a whole time slice.
+constexpr int64_t kParallelMaskMin = int64_t{1} << 18;
+inline int mask_threads(int64_t M, int64_t K, int threads) {
+  return M * K < kParallelMaskMin ? 1 : std::max(1, threads);
+}
 int64_t csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
+  threads = mask_threads(M, K, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
   for (int64_t i = 0; i < M; ++i) {
     const uint8_t* row = mask + i * K;
     int32_t count = 0;
@@ -1036,7 +1043,7 @@ int64_t csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int 
 // [K + 1], t_col (row of W) and t_perm (CSR position) in CSC order, rows ascending per column.
 int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
              int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
-  threads = std::max(1, threads);
+  threads = mask_threads(M, K, threads);
   Buffer hbuf(sizeof(int32_t) * K * threads), rbuf(sizeof(int32_t) * M * threads);
   if (!hbuf.ptr || !rbuf.ptr) return 1;
   int32_t* hist = static_cast<int32_t*>(hbuf.ptr);

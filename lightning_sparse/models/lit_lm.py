@@ -115,8 +115,10 @@ class LitCausalLM(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         loss = self.val_loss.compute()  # already reduced across ranks by torchmetrics
-        self.log("val/loss", loss, prog_bar=True)
-        self.log("val/ppl", loss.exp())
+        # Identical on every rank, so the mean over ranks sync_dist takes is the same value; it
+        # only tells Lightning the epoch-level value is synchronised (no DDP warning).
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", loss.exp(), sync_dist=True)
         self.val_loss.reset()
 
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:

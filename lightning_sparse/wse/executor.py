@@ -229,7 +229,7 @@ class _LayerState:
             self.values_key = (csr, weight._version, bias)
             self.runners = {}
             self.fast = None
-            if not mask.is_inference():
+            if not mask.is_inference() and weight.is_cpu:
                 self.fast = _FastInference(self, weight, mask, bias, x.dtype, csr.nnz)
         tokens = x.numel() // in_features if in_features else 0
         runner = self.runners.get(tokens)
@@ -287,44 +287,49 @@ class _LayerState:
 
 class _FastInference:
     """`WSELinear.forward` without autograd when nothing changed since the last call: the same
-    mask (object and version), weight (object and version), bias and input dtype, no autocast,
-    a token count already seen. Returns None otherwise, and `_LayerState.run` takes over (and
-    rebuilds what changed). Records forward FLOPs like `_LayerState._record`."""
+    mask (object and version), weight (object and version), bias and input dtype, a CPU input,
+    no CPU autocast, a token count already seen. Returns None otherwise, and `_LayerState.run`
+    takes over (and rebuilds what changed). Records forward FLOPs like `_LayerState._record`.
+    Made only for CPU weights; the checks read the module's dicts directly (cheaper than
+    ``nn.Module.__getattr__``), since a one-token call of a small layer costs a few microseconds.
+    """
 
-    __slots__ = ("state", "weight", "weight_version", "mask", "mask_version", "bias", "dtype",
-                 "in_features", "nnz", "numel")  # fmt: skip
+    __slots__ = ("state", "stats", "weight", "weight_version", "mask", "mask_version", "bias",
+                 "dtype", "in_features", "nnz", "numel")  # fmt: skip
 
     def __init__(
         self, state: _LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
         dtype: torch.dtype, nnz: int,
     ) -> None:  # fmt: skip
-        self.state, self.weight, self.mask, self.bias, self.dtype = state, weight, mask, bias, dtype
+        self.state, self.stats = state, state.executor.stats
+        self.weight, self.mask, self.bias, self.dtype = weight, mask, bias, dtype
         self.weight_version, self.mask_version = weight._version, mask._version
         self.in_features = weight.shape[1]
         self.nnz, self.numel = nnz, weight.numel()
 
     def __call__(self, module: WSELinear, x: Tensor) -> Tensor | None:
-        weight, mask = module.weight, module._buffers.get(_MASK)
+        params = module._parameters
+        weight, mask = params["weight"], module._buffers.get(_MASK)
         if (
             weight is not self.weight
-            or weight._version != self.weight_version
             or mask is not self.mask
+            or params.get("bias") is not self.bias
+            or weight._version != self.weight_version
             or mask._version != self.mask_version
-            or module.bias is not self.bias
-            or x.dtype != self.dtype
-            or x.dim() == 0
-            or x.shape[-1] != self.in_features
-            or torch.is_autocast_enabled(x.device.type)
+            or x.dtype is not self.dtype
+            or not x.is_cpu
+            or torch.is_autocast_enabled("cpu")
         ):
+            return None
+        shape = x.shape
+        if not shape or shape[-1] != self.in_features:
             return None
         tokens = x.numel() // self.in_features
         runner = self.state.runners.get(tokens)
         if runner is None:
             return None
         y = runner(x)
-        self.state.executor.stats.add_flops(
-            "forward", 2 * tokens * self.nnz, 2 * tokens * self.numel
-        )
+        self.stats.add_flops("forward", 2 * tokens * self.nnz, 2 * tokens * self.numel)
         return y
 
 

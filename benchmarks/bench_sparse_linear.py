@@ -8,6 +8,8 @@ background load hits every method, though not equally: on oversubscribed cores e
 kernel stalls whenever one of its threads is descheduled. The load average is printed for context.
 
     python benchmarks/bench_sparse_linear.py [--tokens 512] [--threads 2] [--repeats 15]
+    python benchmarks/bench_sparse_linear.py --tokens 2048 --sparsities 0.9 \\
+        --shapes 128x128,352x128,128x352   # the recipe model's layers, its batch
 
 On a shared machine, `--threads 1 --clock thread` times CPU time of the calling thread instead of
 wall-clock time: it ignores time spent descheduled, so it estimates the intrinsic cost.
@@ -84,7 +86,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument(
+        "--shapes",
+        default=",".join(f"{o}x{i}" for o, i in SHAPES),
+        help="comma-separated OUTxIN weight shapes (the recipe model's: 128x128,352x128,128x352)",
+    )
+    parser.add_argument(
+        "--sparsities", default=",".join(str(s) for s in SPARSITIES), help="comma-separated"
+    )
     args = parser.parse_args()
+    try:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shapes.split(",")]
+        sparsities = [float(v) for v in args.sparsities.split(",")]
+    except ValueError:
+        parser.error(f"--shapes={args.shapes!r} must look like 1024x1024,4096x1024 and "
+                     f"--sparsities={args.sparsities!r} like 0.5,0.9")  # fmt: skip
     if args.clock == "thread" and args.threads != 1:
         parser.error("--clock thread measures one thread's CPU time; use it with --threads 1")
     clock = time.perf_counter if args.clock == "wall" else time.thread_time
@@ -101,12 +117,12 @@ def main() -> None:
         f"{p + ' ms':>11} {p + ' x':>10}" for p in paths
     )
     print(header + f" {'auto picks':>10} {'rebuild ms':>10}")
-    for out_features, in_features in SHAPES:
+    for out_features, in_features in shapes:
         x = torch.randn(args.tokens, in_features, generator=generator).requires_grad_()
         weight = torch.randn(out_features, in_features, generator=generator).requires_grad_()
         bias = torch.randn(out_features, generator=generator).requires_grad_()
         grad_y = torch.randn(args.tokens, out_features, generator=generator)
-        for sparsity in SPARSITIES:
+        for sparsity in sparsities:
             mask = torch.rand(out_features, in_features, generator=generator) >= sparsity
             csr = CSRWeight.from_dense(weight, mask)
             fns = {"dense": _step_fn(None, x, weight, bias, csr, grad_y)}

@@ -1,0 +1,576 @@
+// Native kernels of the emulated wafer-scale device (lightning_sparse/wse/kernels.py builds
+// and loads this file with ctypes; see its docstring).
+//
+// Tokens are the vector dimension: each kernel transposes a tile of T tokens of its token-major
+// input into a feature-major buffer (row j = T contiguous tokens), so every kept weight costs T/L
+// fused multiply-adds on contiguous vectors, and writes its output back token-major.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include <omp.h>
+
+// GCC/Clang vector extensions: one register = 64 bytes with AVX-512, else 32 (AVX2/NEON pairs).
+#if defined(__AVX512F__)
+#define LS_VECTOR_BYTES 64
+#else
+#define LS_VECTOR_BYTES 32
+#endif
+
+namespace {
+
+template <typename S> struct VecOf;
+template <> struct VecOf<float> {
+  typedef float type __attribute__((vector_size(LS_VECTOR_BYTES)));
+};
+template <> struct VecOf<double> {
+  typedef double type __attribute__((vector_size(LS_VECTOR_BYTES)));
+};
+template <typename S> using Vec = typename VecOf<S>::type;
+template <typename S> constexpr int kLanes = LS_VECTOR_BYTES / sizeof(S);
+
+template <typename S> inline Vec<S> load(const S* p) {
+  Vec<S> v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename S> inline void store(S* p, Vec<S> v) { std::memcpy(p, &v, sizeof v); }
+template <typename S> inline S horizontal_sum(Vec<S> v) {
+  S s = 0;
+  for (int l = 0; l < kLanes<S>; ++l) s += v[l];
+  return s;
+}
+
+// out[0..3] = horizontal sums of a0..a3, sharing shuffles across the four (a transpose-reduce).
+template <typename S>
+inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+  if constexpr (kLanes<S> == 16) {
+    // Halves of (a0, a1) and of (a2, a3) added: 8 partial sums of each input.
+    const Vec<S> s01 =
+        __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a0, a1, 8, 9, 10, 11, 12, 13, 14, 15,
+                                24, 25, 26, 27, 28, 29, 30, 31);
+    const Vec<S> s23 =
+        __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(a2, a3, 8, 9, 10, 11, 12, 13, 14, 15,
+                                24, 25, 26, 27, 28, 29, 30, 31);
+    // 4 partial sums of each input, then pairs and neighbours within each group of 4 lanes.
+    const Vec<S> s =
+        __builtin_shufflevector(s01, s23, 0, 1, 2, 3, 8, 9, 10, 11,
+                                16, 17, 18, 19, 24, 25, 26, 27) +
+        __builtin_shufflevector(s01, s23, 4, 5, 6, 7, 12, 13, 14, 15,
+                                20, 21, 22, 23, 28, 29, 30, 31);
+    const Vec<S> t =
+        s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    const Vec<S> u =
+        t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    out[0] += u[0]; out[1] += u[4]; out[2] += u[8]; out[3] += u[12];
+    return;
+  } else if constexpr (kLanes<S> == 8) {
+    const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(a0, a1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Vec<S> s23 = __builtin_shufflevector(a2, a3, 0, 1, 2, 3, 8, 9, 10, 11) +
+                       __builtin_shufflevector(a2, a3, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 4, 5, 8, 9, 12, 13) +
+                     __builtin_shufflevector(s01, s23, 2, 3, 6, 7, 10, 11, 14, 15);
+    const Vec<S> u = s + __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
+    out[0] += u[0]; out[1] += u[2]; out[2] += u[4]; out[3] += u[6];
+    return;
+  } else if constexpr (kLanes<S> == 4) {
+    const Vec<S> s01 =
+        __builtin_shufflevector(a0, a1, 0, 1, 4, 5) + __builtin_shufflevector(a0, a1, 2, 3, 6, 7);
+    const Vec<S> s23 =
+        __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
+    const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) +
+                     __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
+    out[0] += s[0]; out[1] += s[1]; out[2] += s[2]; out[3] += s[3];
+    return;
+  }
+#endif
+  out[0] += horizontal_sum<S>(a0); out[1] += horizontal_sum<S>(a1);
+  out[2] += horizontal_sum<S>(a2); out[3] += horizontal_sum<S>(a3);
+}
+
+struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
+  void* ptr;
+  explicit Buffer(size_t bytes)
+      : ptr(std::aligned_alloc(64, std::max<size_t>(64, (bytes + 63) / 64 * 64))) {}
+  ~Buffer() { std::free(ptr); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+};
+
+constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line of floats)
+constexpr int64_t kColBlock = 32;  // features per transpose work item
+// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
+// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
+// its gradient tile row by row, so only its X tile counts.
+constexpr int64_t kTileBudget = 512 << 10;
+constexpr int64_t kMinTokensPerThread = 32;
+
+// One thread for small problems: a parallel region costs microseconds, and when the cores are
+// oversubscribed a descheduled team member stalls the team for a whole time slice.
+inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
+  const int64_t work = (nnz + features) * std::max<int64_t>(N, 1);
+  return work < (int64_t{1} << 18) ? 1 : std::max(threads, 1);
+}
+
+// Largest vectors-per-tile (1, 2, 4 or 8) whose transposed tile of `features` rows fits the budget.
+template <typename S>
+int max_vectors(int64_t features) {
+  int nv = 8;
+  const int64_t bytes_per_vector = static_cast<int64_t>(sizeof(S)) * features * kLanes<S>;
+  while (nv > 1 && bytes_per_vector * nv > kTileBudget) nv /= 2;
+  return nv;
+}
+
+// Smallest power of two vectors covering tn tokens, at most cap: a short last tile stays cheap.
+template <typename S>
+int vectors_for(int64_t tn, int cap) {
+  int nv = 1;
+  while (nv < cap && nv * kLanes<S> < tn) nv *= 2;
+  return nv;
+}
+
+// Calls f(std::integral_constant<int, NV>) for the runtime nv in {1, 2, 4, 8}.
+template <typename F>
+inline auto with_vectors(int nv, F&& f) {
+  switch (nv) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+#if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
+#define LS_REGISTER_TRANSPOSE 1
+// Lane e of the lo (HI=false) or hi output of one level of an L x L register transpose that swaps
+// off-diagonal blocks of size B between rows i and i + B (indices into the concatenation a:b).
+template <int L, int B, bool HI>
+constexpr int transpose_index(int e) {
+  return ((e / B) / 2 * 2 + (HI ? 1 : 0)) * B + e % B + ((e / B) % 2 ? L : 0);
+}
+template <typename S, int B, bool HI, size_t... I>
+inline Vec<S> transpose_shuffle(Vec<S> a, Vec<S> b, std::index_sequence<I...>) {
+  return __builtin_shufflevector(a, b, transpose_index<kLanes<S>, B, HI>(I)...);
+}
+// Transposes the L x L block held in r[0..L) (row i = r[i]) in registers.
+template <typename S, int B = kLanes<S> / 2>
+inline void transpose_block(Vec<S>* r) {
+  constexpr int L = kLanes<S>;
+  for (int g = 0; g < L; g += 2 * B) {
+    for (int i = g; i < g + B; ++i) {
+      constexpr auto lanes = std::make_index_sequence<L>{};
+      const Vec<S> lo = transpose_shuffle<S, B, false>(r[i], r[i + B], lanes);
+      const Vec<S> hi = transpose_shuffle<S, B, true>(r[i], r[i + B], lanes);
+      r[i] = lo;
+      r[i + B] = hi;
+    }
+  }
+  if constexpr (B > 1) transpose_block<S, B / 2>(r);
+}
+#else
+#define LS_REGISTER_TRANSPOSE 0
+#endif
+
+// dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
+// the kernels always run full-width vectors. Full L x L blocks go through registers (about twice
+// as fast as strided scalar copies); the output side stays scalar, where register transposes
+// lost to 4 KiB-strided vector stores.
+template <typename S, int T>
+inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1,
+                           S* dst) {
+  constexpr int L = kLanes<S>;
+  for (int64_t kb = k0; kb < k1; kb += kColBlock) {
+    const int64_t ke = std::min(kb + kColBlock, k1);
+    int64_t t = 0;
+#if LS_REGISTER_TRANSPOSE
+    if (ke - kb == kColBlock) {
+      for (; t + L <= tn; t += L) {
+        for (int64_t k = kb; k < ke; k += L) {
+          Vec<S> r[L];
+          for (int i = 0; i < L; ++i) r[i] = load<S>(src + (n0 + t + i) * ld + k);
+          transpose_block<S>(r);
+          for (int i = 0; i < L; ++i) store<S>(dst + (k + i) * T + t, r[i]);
+        }
+      }
+    }
+#endif
+    for (; t < tn; ++t) {
+      const S* s = src + (n0 + t) * ld;
+      for (int64_t k = kb; k < ke; ++k) dst[k * T + t] = s[k];
+    }
+    for (int64_t k = kb; k < ke; ++k)
+      for (int64_t u = tn; u < T; ++u) dst[k * T + u] = S(0);
+  }
+}
+
+// --- Y [N, M] = X [N, K] @ S^T (+ bias) for S [M, K] in CSR (crow, col, val) ---------------------
+
+// Rows [i0, i1) of the output tile of tokens [n0, n0 + tn), from the transposed input tile xt.
+template <typename S, int NV>
+void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* bias, const S* xt,
+               int64_t i0, int64_t i1, int64_t n0, int64_t tn, int64_t M, S* Y) {
+  constexpr int L = kLanes<S>;
+  constexpr int T = NV * L;
+  constexpr int U = NV >= 8 ? 1 : 8 / NV;  // accumulator sets: 8 independent FMA chains in flight
+  alignas(64) S block[kRowBlock * T];
+  for (int64_t ib = i0; ib < i1; ib += kRowBlock) {
+    const int64_t ie = std::min(ib + kRowBlock, i1);
+    for (int64_t i = ib; i < ie; ++i) {
+      Vec<S> acc[U][NV];
+      for (int u = 0; u < U; ++u)
+        for (int v = 0; v < NV; ++v) acc[u][v] = Vec<S>{};
+      int32_t k = crow[i];
+      const int32_t end = crow[i + 1];
+      for (; k + U <= end; k += U) {
+        for (int u = 0; u < U; ++u) {
+          const Vec<S> w = Vec<S>{} + val[k + u];
+          const S* xr = xt + static_cast<int64_t>(col[k + u]) * T;
+          for (int v = 0; v < NV; ++v) acc[u][v] += w * load<S>(xr + v * L);
+        }
+      }
+      for (; k < end; ++k) {
+        const Vec<S> w = Vec<S>{} + val[k];
+        const S* xr = xt + static_cast<int64_t>(col[k]) * T;
+        for (int v = 0; v < NV; ++v) acc[0][v] += w * load<S>(xr + v * L);
+      }
+      const Vec<S> b = Vec<S>{} + (bias != nullptr ? bias[i] : S(0));
+      for (int v = 0; v < NV; ++v) {
+        for (int u = 1; u < U; ++u) acc[0][v] += acc[u][v];
+        store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
+      }
+    }
+    for (int64_t t = 0; t < tn; ++t) {  // back to token-major, one cache line per token
+      S* yr = Y + (n0 + t) * M + ib;
+      for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
+    }
+  }
+}
+
+template <typename S>
+void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
+          int64_t N, int64_t K, int64_t M, S* Y, int threads) {
+  const int cap = max_vectors<S>(K);
+  const int64_t T_cap = cap * kLanes<S>;
+  threads = threads_for(crow[M], N, K + M, threads);
+  if (threads == 1 || N >= threads * kMinTokensPerThread) {
+    // Token-parallel: threads take tiles of tokens one at a time (each tile is independent, so
+    // the result does not depend on who computes it), each into a private transposed buffer; a
+    // thread the OS deschedules on a busy machine then simply takes fewer tiles.
+    const int64_t tiles = (N + T_cap - 1) / T_cap;
+#pragma omp parallel num_threads(threads)
+    {
+      Buffer xbuf(sizeof(S) * K * T_cap);
+      S* xt = static_cast<S*>(xbuf.ptr);
+#pragma omp for schedule(dynamic, 1) nowait
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        const int64_t n0 = tile * T_cap;
+        const int64_t tn = std::min(T_cap, N - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+          spmm_rows<S, decltype(nv)::value>(crow, col, val, bias, xt, 0, M, n0, tn, M, Y);
+        });
+      }
+    }
+    return;
+  }
+  // Few tokens: threads share each tile and split its rows (two barriers per tile).
+  Buffer xbuf(sizeof(S) * K * T_cap);
+  S* xt = static_cast<S*>(xbuf.ptr);
+#pragma omp parallel num_threads(threads)
+  for (int64_t n0 = 0; n0 < N; n0 += T_cap) {
+    const int64_t tn = std::min(T_cap, N - n0);
+    with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+      constexpr int T = decltype(nv)::value * kLanes<S>;
+#pragma omp for schedule(static)
+      for (int64_t kb = 0; kb < K; kb += kColBlock)
+        transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t ib = 0; ib < M; ib += kRowBlock)
+        spmm_rows<S, decltype(nv)::value>(crow, col, val, bias, xt, ib, std::min(ib + kRowBlock, M),
+                                          n0, tn, M, Y);
+    });
+  }
+}
+
+// --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
+
+// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1).
+template <typename S, int NV>
+void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* xt, int64_t i0,
+                int64_t i1, S* vals) {
+  constexpr int L = kLanes<S>;
+  constexpr int T = NV * L;
+  for (int64_t i = i0; i < i1; ++i) {
+    Vec<S> g[NV];
+    for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
+    int32_t k = crow[i];
+    const int32_t end = crow[i + 1];
+    // Four dot products at a time: four independent FMA chains sharing g, one shared reduction.
+    for (; k + 4 <= end; k += 4) {
+      const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+      const S* x1 = xt + static_cast<int64_t>(col[k + 1]) * T;
+      const S* x2 = xt + static_cast<int64_t>(col[k + 2]) * T;
+      const S* x3 = xt + static_cast<int64_t>(col[k + 3]) * T;
+      Vec<S> a0{}, a1{}, a2{}, a3{};
+      for (int v = 0; v < NV; ++v) {
+        a0 += g[v] * load<S>(x0 + v * L);
+        a1 += g[v] * load<S>(x1 + v * L);
+        a2 += g[v] * load<S>(x2 + v * L);
+        a3 += g[v] * load<S>(x3 + v * L);
+      }
+      reduce4<S>(a0, a1, a2, a3, vals + k);
+    }
+    for (; k < end; ++k) {
+      const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
+      Vec<S> a0{};
+      for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
+      vals[k] += horizontal_sum<S>(a0);
+    }
+  }
+}
+
+template <typename S>
+int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
+          int64_t M, S* D, int threads) {
+  const int cap = max_vectors<S>(K);
+  const int64_t T_cap = cap * kLanes<S>;
+  const int64_t nnz = crow[M];
+  threads = threads_for(nnz, N, K + M, threads);
+  const bool token_parallel = threads == 1 || N >= threads * kMinTokensPerThread;
+  // Token-parallel threads each sum their own tokens into a private copy of the values.
+  Buffer vbuf(sizeof(S) * nnz * (token_parallel ? threads : 1));
+  Buffer gshared(token_parallel ? 0 : sizeof(S) * M * T_cap);
+  Buffer xshared(token_parallel ? 0 : sizeof(S) * K * T_cap);
+  if (!vbuf.ptr || !gshared.ptr || !xshared.ptr) return 1;
+  S* partial = static_cast<S*>(vbuf.ptr);
+  int team = 1;
+#pragma omp parallel num_threads(threads)
+  {
+    if (token_parallel) {
+      const int me = omp_get_thread_num();
+#pragma omp single
+      team = omp_get_num_threads();
+      const int64_t a = N * me / team, b = N * (me + 1) / team;
+      S* vals = partial + nnz * me;
+      std::memset(vals, 0, sizeof(S) * nnz);
+      Buffer gbuf(sizeof(S) * M * T_cap), xbuf(sizeof(S) * K * T_cap);
+      S* gt = static_cast<S*>(gbuf.ptr);
+      S* xt = static_cast<S*>(xbuf.ptr);
+      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
+        const int64_t tn = std::min(T_cap, b - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+          transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
+          sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+        });
+      }
+#pragma omp barrier
+    } else {
+      S* gt = static_cast<S*>(gshared.ptr);
+      S* xt = static_cast<S*>(xshared.ptr);
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < nnz; ++k) partial[k] = S(0);
+      for (int64_t n0 = 0; n0 < N; n0 += T_cap) {
+        const int64_t tn = std::min(T_cap, N - n0);
+        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+          constexpr int T = decltype(nv)::value * kLanes<S>;
+#pragma omp for schedule(static) nowait
+          for (int64_t kb = 0; kb < K; kb += kColBlock)
+            transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(static)
+          for (int64_t mb = 0; mb < M; mb += kColBlock)
+            transpose_tile<S, T>(G, M, n0, tn, mb, std::min(mb + kColBlock, M), gt);
+#pragma omp for schedule(dynamic, 1)
+          for (int64_t ib = 0; ib < M; ib += kRowBlock)
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, ib, std::min(ib + kRowBlock, M),
+                                               partial);
+        });
+      }
+    }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
+      S* row = D + i * K;
+      std::memset(row, 0, sizeof(S) * K);
+      for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
+        S sum = partial[k];
+        for (int t = 1; t < team; ++t) sum += partial[nnz * t + k];
+        row[col[k]] = sum;
+      }
+    }
+  }
+  return 0;
+}
+
+// --- CSR structure of a bool mask ---------------------------------------------------------------
+
+// Bit k of the result is byte k of w, for bytes that are 0 or 1 (torch.bool): the multiply moves
+// byte k's low bit to bit 56 + k without carries.
+inline uint32_t byte_bits(const uint8_t* p) {
+  uint64_t w;
+  std::memcpy(&w, p, 8);
+  return static_cast<uint32_t>((w * 0x0102040810204080ULL) >> 56);
+}
+
+// Row pointers crow [M + 1] of the kept (nonzero) bytes of mask [M, K]; returns nnz.
+// Masks below this many entries are built on one thread: a parallel region costs microseconds,
+// and on a busy machine a descheduled team member stalls it for a whole time slice.
+constexpr int64_t kParallelMaskMin = int64_t{1} << 18;
+inline int mask_threads(int64_t M, int64_t K, int threads) {
+  return M * K < kParallelMaskMin ? 1 : std::max(1, threads);
+}
+int64_t csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
+  threads = mask_threads(M, K, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+  for (int64_t i = 0; i < M; ++i) {
+    const uint8_t* row = mask + i * K;
+    int32_t count = 0;
+    for (int64_t j = 0; j < K; ++j) count += row[j];
+    crow[i + 1] = count;
+  }
+  crow[0] = 0;
+  for (int64_t i = 0; i < M; ++i) crow[i + 1] += crow[i];
+  return crow[M];
+}
+
+// Given crow: col and flat (= i * K + j) in CSR order, then the transposed structure: t_crow
+// [K + 1], t_col (row of W) and t_perm (CSR position) in CSC order, rows ascending per column.
+int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
+             int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
+  threads = mask_threads(M, K, threads);
+  Buffer hbuf(sizeof(int32_t) * K * threads), rbuf(sizeof(int32_t) * M * threads);
+  if (!hbuf.ptr || !rbuf.ptr) return 1;
+  int32_t* hist = static_cast<int32_t*>(hbuf.ptr);
+  constexpr int64_t kCols = 64;   // columns per CSC block: 2 x 64 write streams stay in L1
+  constexpr int64_t kBand = 128;  // rows per band: the band's CSR indices stay in L2
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    int32_t* counts = hist + K * me;
+    std::memset(counts, 0, sizeof(int32_t) * K);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M; ++i) {
+      const uint8_t* row = mask + i * K;
+      int32_t p = crow[i];
+      const auto emit = [&](int64_t j) {
+        col[p] = static_cast<int32_t>(j);
+        flat[p++] = static_cast<int32_t>(i * K + j);
+        ++counts[j];
+      };
+      int64_t j = 0;
+      for (; j + 64 <= K; j += 64) {  // one unpredictable loop exit per 64 columns
+        uint64_t bits = 0;
+        for (int b = 0; b < 8; ++b)
+          bits |= static_cast<uint64_t>(byte_bits(row + j + 8 * b)) << (8 * b);
+        for (; bits != 0; bits &= bits - 1) emit(j + __builtin_ctzll(bits));
+      }
+      for (; j < K; ++j)
+        if (row[j]) emit(j);
+    }  // implicit barrier: all column counts are in
+#pragma omp single
+    {
+      int32_t start = 0;
+      for (int64_t j = 0; j < K; ++j) {
+        t_crow[j] = start;
+        for (int t = 0; t < team; ++t) start += hist[K * t + j];
+      }
+      t_crow[K] = start;
+    }  // implicit barrier: t_crow is complete
+    // Each thread owns a contiguous range of column blocks, so its CSC output ranges are private.
+    const int64_t blocks = (K + kCols - 1) / kCols;
+    const int64_t c0 = std::min(K, blocks * me / team * kCols);
+    const int64_t c1 = std::min(K, blocks * (me + 1) / team * kCols);
+    int32_t* next = static_cast<int32_t*>(rbuf.ptr) + M * me;  // per-row CSR read cursor
+    for (int64_t i = 0; i < M; ++i)
+      next[i] = static_cast<int32_t>(std::lower_bound(col + crow[i], col + crow[i + 1], c0) - col);
+    int32_t* cursor = counts;  // reused as the CSC write cursor of each of this thread's columns
+    for (int64_t j = c0; j < c1; ++j) cursor[j] = t_crow[j];
+    for (int64_t i0 = 0; i0 < M; i0 += kBand) {
+      const int64_t i1 = std::min(i0 + kBand, M);
+      for (int64_t cb = c0; cb < c1; cb += kCols) {
+        const int32_t ce = static_cast<int32_t>(std::min(cb + kCols, c1));
+        for (int64_t i = i0; i < i1; ++i) {
+          int32_t p = next[i];
+          for (const int32_t end = crow[i + 1]; p < end && col[p] < ce; ++p) {
+            const int32_t d = cursor[col[p]]++;
+            t_col[d] = static_cast<int32_t>(i);
+            t_perm[d] = p;
+          }
+          next[i] = p;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// --- Kept values of a dense W [M, K] in CSR order (rows) or in transposed-CSR order (columns) ---
+template <typename S>
+void gather(const int32_t* crow, const int32_t* col, const S* W, int64_t M, int64_t K, S* out,
+            int threads) {
+  const int team = threads_for(crow[M], 1, M, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t i = 0; i < M; ++i) {
+    const S* w = W + i * K;
+    for (int32_t k = crow[i]; k < crow[i + 1]; ++k) out[k] = w[col[k]];
+  }
+}
+template <typename S>
+void gather_t(const int32_t* t_crow, const int32_t* t_col, const S* W, int64_t M, int64_t K,
+              S* out, int threads) {
+  const int team = threads_for(t_crow[K], 1, K, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t j = 0; j < K; ++j)
+    for (int32_t k = t_crow[j]; k < t_crow[j + 1]; ++k) out[k] = W[int64_t{t_col[k]} * K + j];
+}
+extern "C" {
+void ls_gather_f32(const int32_t* crow, const int32_t* col, const float* W, int64_t M, int64_t K,
+                   float* out, int threads) {
+  gather<float>(crow, col, W, M, K, out, threads);
+}
+void ls_gather_f64(const int32_t* crow, const int32_t* col, const double* W, int64_t M, int64_t K,
+                   double* out, int threads) {
+  gather<double>(crow, col, W, M, K, out, threads);
+}
+void ls_gather_t_f32(const int32_t* t_crow, const int32_t* t_col, const float* W, int64_t M,
+                     int64_t K, float* out, int threads) {
+  gather_t<float>(t_crow, t_col, W, M, K, out, threads);
+}
+void ls_gather_t_f64(const int32_t* t_crow, const int32_t* t_col, const double* W, int64_t M,
+                     int64_t K, double* out, int threads) {
+  gather_t<double>(t_crow, t_col, W, M, K, out, threads);
+}
+int64_t ls_csr_count(const uint8_t* mask, int64_t M, int64_t K, int32_t* crow, int threads) {
+  return csr_count(mask, M, K, crow, threads);
+}
+int ls_csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int32_t* col,
+                int32_t* flat, int32_t* t_crow, int32_t* t_col, int32_t* t_perm, int threads) {
+  return csr_fill(mask, M, K, crow, col, flat, t_crow, t_col, t_perm, threads);
+}
+void ls_spmm_f32(const int32_t* crow, const int32_t* col, const float* val, const float* X,
+                 const float* bias, int64_t N, int64_t K, int64_t M, float* Y, int threads) {
+  spmm<float>(crow, col, val, X, bias, N, K, M, Y, threads);
+}
+void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, const double* X,
+                 const double* bias, int64_t N, int64_t K, int64_t M, double* Y, int threads) {
+  spmm<double>(crow, col, val, X, bias, N, K, M, Y, threads);
+}
+int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
+                 int64_t N, int64_t K, int64_t M, float* D, int threads) {
+  return sddmm<float>(crow, col, G, X, N, K, M, D, threads);
+}
+int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
+                 int64_t N, int64_t K, int64_t M, double* D, int threads) {
+  return sddmm<double>(crow, col, G, X, N, K, M, D, threads);
+}
+}

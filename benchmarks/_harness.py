@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -20,9 +21,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import lightning
+import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
@@ -125,6 +128,100 @@ class PlainRun:
 
     def close(self) -> None:
         pass
+
+
+class StepGate(pl.Callback):
+    """Runs a Trainer one optimizer step at a time on the driver's signal, timing each step.
+
+    The trainer thread parks in ``on_train_batch_end`` (and before the first batch) until the
+    driver releases it, so the loop's own work between batches (fetching the next batch) runs
+    while the driver waits, never beside another variant's timed step. Put it last in the
+    callbacks, so every other callback's batch-end work is inside the timed step.
+
+    Args:
+        clock: seconds, read in the trainer thread (``time.thread_time`` = that thread's CPU).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        self.ready = threading.Semaphore(0)  # trainer -> driver: reached the first batch
+        self.go = threading.Semaphore(0)  # driver -> trainer: run one step
+        self.done = threading.Semaphore(0)  # trainer -> driver: step finished (or fit failed)
+        self.elapsed, self.started, self._start = 0.0, False, 0.0
+        self.error: BaseException | None = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        if not self.started:
+            self.started = True
+            self.ready.release()
+            self.go.acquire()
+        self._start = self.clock()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.elapsed = self.clock() - self._start
+        self.done.release()
+        self.go.acquire()
+
+
+class SteppedFit:
+    """``Trainer.fit(module)`` on ``batches`` in a background thread, one step per `step()`.
+
+    Args:
+        module: the LightningModule.
+        callbacks: the run's callbacks (a `StepGate` is appended).
+        batches: the training batches, in order (one per step).
+        clock: see `StepGate`.
+        **trainer_kwargs: e.g. ``accelerator``; single-device, no logger, checkpoints or bars.
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        callbacks: list[pl.Callback],
+        batches: list[torch.Tensor],
+        clock: Callable[[], float] = time.perf_counter,
+        **trainer_kwargs: Any,
+    ) -> None:
+        self.gate = StepGate(clock)
+        self.module = module
+        self.trainer = pl.Trainer(
+            callbacks=[*callbacks, self.gate],
+            devices=1,
+            max_steps=len(batches),
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **trainer_kwargs,
+        )
+        loader = DataLoader(batches, batch_size=None, shuffle=False)
+        self.thread = threading.Thread(target=self._fit, args=(loader,), daemon=True)
+        self.thread.start()
+        self._wait(self.gate.ready)
+
+    def _fit(self, loader: DataLoader) -> None:
+        try:
+            self.trainer.fit(self.module, train_dataloaders=loader)
+        except BaseException as error:  # noqa: BLE001 - handed to the driver thread
+            self.gate.error = error
+        finally:
+            self.gate.ready.release()
+            self.gate.done.release()
+
+    def _wait(self, semaphore: threading.Semaphore) -> None:
+        semaphore.acquire()
+        if self.gate.error is not None:
+            raise RuntimeError("a Trainer run failed") from self.gate.error
+
+    def step(self, batch: torch.Tensor) -> float:
+        """One optimizer step (the trainer draws the same ``batch`` from its loader)."""
+        self.gate.go.release()
+        self._wait(self.gate.done)
+        return self.gate.elapsed
+
+    def close(self) -> None:
+        self.gate.go.release()  # let the parked trainer leave its last step and finish
+        self.thread.join(timeout=120)
 
 
 def run_interleaved(

@@ -28,10 +28,8 @@ in the plain loop and under Lightning. The benchmark exits 0 whether or not the 
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +37,7 @@ from _harness import (
     LR,
     LlamaConfig,
     PlainRun,
+    SteppedFit,
     adamw,
     build_model,
     load_average,
@@ -51,7 +50,6 @@ from _harness import (
     run_interleaved,
 )
 from torch import nn
-from torch.utils.data import DataLoader
 
 from lightning_sparse.algorithms.static import Static
 from lightning_sparse.models.lit_lm import LitCausalLM
@@ -119,39 +117,8 @@ class BenchLM(LitCausalLM):
         return adamw(self.parameters(), self.fused)
 
 
-class StepGate(pl.Callback):
-    """Runs a Trainer one optimizer step at a time on the driver's signal, timing each step.
-
-    The trainer thread parks in ``on_train_batch_end`` (and before the first batch) until the
-    driver releases it, so the loop's own work between batches (fetching the next batch) runs
-    while the driver waits, never beside another variant's timed step.
-    """
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.clock = clock  # runs in the trainer thread: thread_time is that thread's CPU time
-        self.ready = threading.Semaphore(0)  # trainer -> driver: reached the first batch
-        self.go = threading.Semaphore(0)  # driver -> trainer: run one step
-        self.done = threading.Semaphore(0)  # trainer -> driver: step finished (or fit failed)
-        self.elapsed = 0.0
-        self.started = False
-        self.error: BaseException | None = None
-        self._start = 0.0
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if not self.started:
-            self.started = True
-            self.ready.release()
-            self.go.acquire()
-        self._start = self.clock()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.elapsed = self.clock() - self._start
-        self.done.release()
-        self.go.acquire()
-
-
-class LightningRun:
-    """``Trainer.fit`` in a background thread, stepped one optimizer step at a time."""
+class LightningRun(SteppedFit):
+    """``Trainer.fit`` of a `BenchLM` (with ``Static`` if ``sparse``), one step at a time."""
 
     def __init__(
         self,
@@ -162,52 +129,13 @@ class LightningRun:
         sparse: bool,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.gate = StepGate(clock)
-        self.module = BenchLM(build_model(cfg, seed), fused)
-        # The gate goes last so the sparsity callback's batch-end work is inside the timed step.
-        callbacks = ([Static(sparsity=SPARSITY)] if sparse else []) + [self.gate]
-        self.trainer = pl.Trainer(
-            callbacks=callbacks,
-            accelerator="cpu",
-            devices=1,
-            max_steps=len(batches),
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        loader = DataLoader(batches, batch_size=None, shuffle=False)  # the plain loops' batches
-        self.thread = threading.Thread(target=self._fit, args=(loader,), daemon=True)
-        self.thread.start()
-        self._wait(self.gate.ready)
+        callbacks: list[pl.Callback] = [Static(sparsity=SPARSITY)] if sparse else []
+        module = BenchLM(build_model(cfg, seed), fused)
+        super().__init__(module, callbacks, batches, clock, accelerator="cpu")
 
     @property
     def net(self) -> nn.Module:
         return self.module.model
-
-    def _fit(self, loader: DataLoader) -> None:
-        try:
-            self.trainer.fit(self.module, train_dataloaders=loader)
-        except BaseException as error:  # noqa: BLE001 - handed to the driver thread
-            self.gate.error = error
-        finally:
-            self.gate.ready.release()
-            self.gate.done.release()
-
-    def _wait(self, semaphore: threading.Semaphore) -> None:
-        semaphore.acquire()
-        if self.gate.error is not None:
-            raise RuntimeError("the Lightning run failed") from self.gate.error
-
-    def step(self, batch: torch.Tensor) -> float:
-        """One optimizer step (the trainer draws the same ``batch`` from its loader)."""
-        self.gate.go.release()
-        self._wait(self.gate.done)
-        return self.gate.elapsed
-
-    def close(self) -> None:
-        self.gate.go.release()  # let the parked trainer leave its last step and finish
-        self.thread.join(timeout=60)
 
 
 # ---------------------------------------------------------------------- driver and report

@@ -23,13 +23,11 @@ Goal: wse at 90% >= 1.5x the cpu accelerator at 90% (ratio of median ordinary st
 from __future__ import annotations
 
 import argparse
-import threading
-import time
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from _harness import (
+    SteppedFit,
     load_average,
     machine_facts,
     make_batches,
@@ -38,7 +36,6 @@ from _harness import (
     quiet,
     run_interleaved,
 )
-from torch.utils.data import DataLoader
 
 from lightning_sparse import RigL
 from lightning_sparse.models import LitCausalLM
@@ -51,33 +48,9 @@ RECIPE = dict(vocab_size=256, dim=128, n_layers=4, n_heads=4, max_seq_len=128)
 FILTER = ["*layers.*_proj.weight"]
 
 
-class StepGate(pl.Callback):
-    """Runs a Trainer one step at a time on the driver's signal and times each step (list last).
-
-    The trainer thread parks in ``on_train_batch_end`` (and before the first batch) until the
-    driver releases it, so the loop's work between batches never overlaps another timed step.
-    """
-
-    def __init__(self) -> None:
-        self.ready, self.go, self.done = (threading.Semaphore(0) for _ in range(3))
-        self.elapsed, self.started, self._start = 0.0, False, 0.0
-        self.error: BaseException | None = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
-        if not self.started:
-            self.started = True
-            self.ready.release()
-            self.go.acquire()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.elapsed = time.perf_counter() - self._start
-        self.done.release()
-        self.go.acquire()
-
-
-class TrainerRun:
-    """``Trainer.fit`` in a background thread, stepped one optimizer step at a time."""
+class TrainerRun(SteppedFit):
+    """``Trainer.fit`` of the recipe `LitCausalLM` (with its RigL at ``sparsity``, if given) on
+    ``accelerator``, one step at a time."""
 
     def __init__(
         self,
@@ -88,9 +61,8 @@ class TrainerRun:
         batches: list[torch.Tensor],
         seed: int,
     ) -> None:
-        self.gate = StepGate()
         torch.manual_seed(seed)  # same initial weights in every variant
-        self.module = LitCausalLM(**cfg, lr=3e-3, warmup_steps=50)
+        module = LitCausalLM(**cfg, lr=3e-3, warmup_steps=50)
         self.algorithm = None
         if sparsity is not None:
             self.algorithm = RigL(
@@ -100,44 +72,8 @@ class TrainerRun:
                 update={"steps": [0, update_at]},
                 param_filter=FILTER,
             )
-        callbacks = ([self.algorithm] if self.algorithm else []) + [self.gate]
-        self.trainer = pl.Trainer(
-            accelerator=accelerator,
-            devices=1,
-            max_steps=len(batches),
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        loader = DataLoader(batches, batch_size=None, shuffle=False)
-        self.thread = threading.Thread(target=self._fit, args=(loader,), daemon=True)
-        self.thread.start()
-        self._wait(self.gate.ready)
-
-    def _fit(self, loader: DataLoader) -> None:
-        try:
-            self.trainer.fit(self.module, train_dataloaders=loader)
-        except BaseException as error:  # noqa: BLE001 - handed to the driver thread
-            self.gate.error = error
-        finally:
-            self.gate.ready.release()
-            self.gate.done.release()
-
-    def _wait(self, semaphore: threading.Semaphore) -> None:
-        semaphore.acquire()
-        if self.gate.error is not None:
-            raise RuntimeError("a Trainer run failed") from self.gate.error
-
-    def step(self, batch: torch.Tensor) -> float:
-        self.gate.go.release()
-        self._wait(self.gate.done)
-        return self.gate.elapsed
-
-    def close(self) -> None:
-        self.gate.go.release()
-        self.thread.join(timeout=120)
+        callbacks = [self.algorithm] if self.algorithm else []
+        super().__init__(module, callbacks, batches, accelerator=accelerator)
 
 
 def main() -> None:

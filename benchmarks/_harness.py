@@ -7,6 +7,7 @@ puts the repository root on ``sys.path``, so the scripts run from a checkout wit
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import logging
 import os
@@ -33,6 +34,18 @@ from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
 
 LR = 1e-3
 PHASES = ("forward", "backward", "optimizer")
+
+
+def loop_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every per-step benchmark shares (model, batch, loop)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--steps", type=int, default=21, help="timed rounds per variant")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--preset", default="small", help="LlamaConfig preset")
+    return parser
 
 
 def adamw(params: Iterable[torch.Tensor], fused: bool) -> torch.optim.AdamW:

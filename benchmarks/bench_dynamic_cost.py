@@ -28,7 +28,6 @@ The benchmark exits 0 whether or not the goals are met.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
@@ -40,6 +39,7 @@ from _harness import (
     build_model,
     lm_loss,
     load_average,
+    loop_parser,
     machine_facts,
     make_batches,
     median_ms,
@@ -209,13 +209,7 @@ def report(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=21, help="timed rounds per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--preset", default="small", help="LlamaConfig preset")
+    parser = loop_parser(__doc__.splitlines()[0])
     parser.add_argument(
         "--adamw", choices=("fused", "default"), default="fused", help="AdamW implementation"
     )

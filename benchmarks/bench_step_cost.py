@@ -27,7 +27,6 @@ in the plain loop and under Lightning. The benchmark exits 0 whether or not the 
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 
@@ -41,6 +40,7 @@ from _harness import (
     adamw,
     build_model,
     load_average,
+    loop_parser,
     machine_facts,
     make_batches,
     median_ms,
@@ -154,13 +154,7 @@ def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=21, help="timed rounds per variant")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per variant")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--preset", default="small", help="LlamaConfig preset")
+    parser = loop_parser(__doc__.splitlines()[0])
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True) everywhere")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(

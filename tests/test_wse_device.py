@@ -553,3 +553,15 @@ def test_cached_generate_on_the_device_equals_masked_dense() -> None:
     assert torch.equal(tokens, reference)
     torch.testing.assert_close(logits, model(prompt))
     assert executor.stats.end_step()["flops_forward"] > 0
+
+
+def test_inference_input_on_another_device_is_a_clear_error() -> None:
+    layer = nn.Linear(8, 4)
+    layer.apply(Static(0.5, param_filter="weight"))
+    with on_wse(layer, path=PATH), torch.no_grad():
+        with pytest.raises(ValueError, match="input on meta but the layer's weight is on cpu"):
+            layer(torch.empty(2, 8, device="meta"))
+        torch.testing.assert_close(  # and the layer still works afterwards
+            layer(torch.ones(2, 8)),
+            F.linear(torch.ones(2, 8), layer.weight * layer.weight_mask, layer.bias),
+        )

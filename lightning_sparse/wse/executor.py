@@ -173,6 +173,11 @@ class _LayerState:
             y = F.linear(x, weight, bias)
             self._record(x, y, weight, weight.numel(), dense_grad=False)
             return y
+        if x.device != weight.device:
+            raise ValueError(
+                f"{self.name!r}: input on {x.device} but the layer's weight is on "
+                f"{weight.device}; move the input (or the model) to one device"
+            )
         if not _csr_supported(x, weight):
             _warn_once(
                 module,
@@ -219,6 +224,7 @@ class _LayerState:
         in_features = csr.shape[1]
         if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(f"x must be [..., {in_features}], got shape {tuple(x.shape)}")
+
         if weight.is_inference():  # no version counter to key a cache on
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
             values = csr.gather_values(weight.detach())

@@ -7,6 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,25 @@ import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """One intra-op thread inside the block: tiny tensors gain nothing from two, and on a busy
+    shared CPU a parallel region waits for a descheduled thread (often 10-100x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """Autouse in every test module that imports it: the module's tests run on one thread."""
+    with one_torch_thread():
+        yield
 
 
 class TinyNet(nn.Module):

@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,17 +48,14 @@ from lightning_sparse import (
 from lightning_sparse.configure import available_algorithms
 from lightning_sparse.rng import generator_for
 from lightning_sparse.shapers import NM, Blocks, OutputGroups
-from tests.helpers import TinyLM, TinyNet, assert_state_equal, token_loader, trainer
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from tests.helpers import (  # one_thread: autouse fixture
+    TinyLM,
+    TinyNet,
+    assert_state_equal,
+    one_thread,  # noqa: F401
+    token_loader,
+    trainer,
+)
 
 # ============================================================================ helpers
 

@@ -15,7 +15,7 @@ tested that way.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import lightning.pytorch as pl
 import pytest
@@ -25,18 +25,12 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sparse import SET, RigL, SparsityAlgorithm, Static
+from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
 
 INF = float("inf")
 AMP_DTYPES = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add contention on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def mlp(seed: int = 0) -> nn.Sequential:

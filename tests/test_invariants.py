@@ -14,7 +14,7 @@ once; sparsity 0 trains bit for bit like dense; ``autoupdate=False`` changes mas
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_sparse import GMP, SET, GraNet, Group, RigL, SparsityAlgorithm, Static
+from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
 
 SETTINGS = settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -31,13 +32,6 @@ SETTINGS = settings(
 N_STEPS = 6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tensors: intra-op threads only add contention on a shared CPU (100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 # ---------------------------------------------------------------------------- optimizers
 

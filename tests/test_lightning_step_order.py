@@ -10,10 +10,10 @@ second moments (row and column means of ``grad**2``) are not, which exposes the 
 
 from __future__ import annotations
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from tests.helpers import trainer
 from tests.scripts import lightning_ddp as setup
 
 STEPS = 3  # the RigL update (every 2 steps) runs inside the 3rd optimizer step
@@ -26,16 +26,7 @@ class AdafactorRegressor(setup.Regressor):
 
 def test_lightning_update_step_equals_plain_pytorch_with_adafactor() -> None:
     lit_algorithm, lit = setup.make_algorithm("rigl"), AdafactorRegressor()
-    pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=STEPS,
-        callbacks=[lit_algorithm],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(lit)
+    trainer(max_steps=STEPS, callbacks=[lit_algorithm]).fit(lit)
 
     algorithm, model = setup.make_algorithm("rigl"), AdafactorRegressor()
     model.apply(algorithm)

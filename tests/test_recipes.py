@@ -23,6 +23,7 @@ from torch import nn
 from lightning_sparse import cli
 from lightning_sparse.algorithms.base import SparsityAlgorithm
 from lightning_sparse.flops import FlopReport, transformer_flops
+from tests.helpers import one_torch_thread
 
 RECIPES = cli.RECIPES_DIR
 NAMES = ("dense", "static", "set", "rigl", "granet")
@@ -44,11 +45,8 @@ def _offline_in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.chdir(tmp_path)
-    # One thread: tiny matrices gain nothing from two, and a busy machine slows two a lot.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 def recipe(name: str) -> Path:

@@ -33,7 +33,15 @@ from lightning_sparse.wse import (
     on_wse,
     register_masks,
 )
-from tests.helpers import REPO, TinyLM, repeated_batch_loader, run_ddp_script, token_loader
+from tests.helpers import (  # one_thread: autouse fixture
+    REPO,
+    TinyLM,
+    one_thread,  # noqa: F401
+    repeated_batch_loader,
+    run_ddp_script,
+    token_loader,
+    trainer,
+)
 from tests.scripts import lightning_ddp
 
 # Tests run the CSR kernels themselves: "auto" could pick the dense path for these tiny layers.
@@ -42,13 +50,6 @@ STEPS = 10
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """Tiny layers: a parallel region only adds scheduler waits on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class TinyLlamaLM(pl.LightningModule):
@@ -107,15 +108,11 @@ class MemoryLogger(Logger):
 
 
 def _trainer(accelerator: Any, callbacks: list, **kwargs: Any) -> pl.Trainer:
-    defaults = dict(
-        devices=1,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    return pl.Trainer(accelerator=accelerator, callbacks=callbacks, **{**defaults, **kwargs})
+    # Not deterministic=True: torch's CSR ops have no deterministic implementation.
+    return trainer(
+        accelerator=accelerator, callbacks=callbacks, deterministic=False,
+        **{"max_steps": STEPS, **kwargs},
+    )  # fmt: skip
 
 
 def _fit(
@@ -482,7 +479,7 @@ def test_predict_and_generate_from_a_sparse_checkpoint_run_in_csr(tmp_path: Path
 
 
 # ------------------------------------------------------------------ inference fast path
-@pytest.mark.parametrize("path", [PATH, "dense"])
+@pytest.mark.parametrize("path", sorted({PATH, "torch", "dense"}))
 def test_inference_follows_every_change_of_weight_mask_and_bias(path: str) -> None:
     """Without autograd the device reuses gathered values and a resolved runner; every write
     to the weight (optimizer step, load_state_dict), a mask update and a new bias must show."""

@@ -129,10 +129,18 @@ def inference_runner(
         dense = weight.detach() if torch.equal(masked, weight) else masked
         del masked
         return lambda x: F.linear(x, dense, bias)
-    if path != "compiled":
-        return lambda x: sparse_linear_inference(x, values, csr, bias, path)
-    spmm = _native_function("ls_spmm", values.dtype)
     bias = None if bias is None else bias.detach().contiguous()
+    if path != "compiled":
+        matmul = _BACKENDS[path].matmul
+        crow, col = csr.crow_indices, csr.col_indices
+
+        def run_backend(x: Tensor) -> Tensor:
+            x2 = x.reshape(-1, in_features).contiguous()
+            y2 = matmul(crow, col, values, x2, out_features, bias)
+            return y2.reshape(*x.shape[:-1], out_features)
+
+        return run_backend
+    spmm = _native_function("ls_spmm", values.dtype)
     pointers = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), values.data_ptr())
     bias_pointer = None if bias is None else bias.data_ptr()
     keep = (csr, values, bias)  # the pointers stay valid while the runner lives
@@ -149,35 +157,6 @@ def inference_runner(
 
     run.keep = keep  # type: ignore[attr-defined]
     return run
-
-
-def sparse_linear_inference(
-    x: Tensor, values: Tensor, csr: CSRWeight, bias: Tensor | None, path: str
-) -> Tensor:
-    """`sparse_linear`'s forward without autograd, on prebuilt values: the decode fast path.
-
-    No graph, no input checks and no gather of the kept values from the dense weight: the caller
-    (the device's executor) has checked the shapes and keeps ``values`` current.
-
-    Args:
-        x: input `[..., in]`, float32/float64, on ``values``' device.
-        values: `[nnz]` kept weight values in CSR order (`CSRWeight.gather_values`).
-        csr: the structure; bias: optional `[out]`.
-        path: a concrete path, "compiled", "torch" or "dense" (`resolve_path`).
-
-    Returns:
-        `[..., out]`, the forward of `sparse_linear` on the same weight.
-    """
-    out_features, in_features = csr.shape
-    x2 = x.reshape(-1, in_features)
-    if path == "dense":
-        y2 = F.linear(x2, csr.to_dense(values), bias)
-    else:
-        y2 = _BACKENDS[path].matmul(
-            csr.crow_indices, csr.col_indices, values, x2.contiguous(), out_features,
-            None if bias is None else bias.contiguous(),
-        )  # fmt: skip
-    return y2.reshape(*x.shape[:-1], out_features)
 
 
 def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:

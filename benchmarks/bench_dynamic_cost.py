@@ -50,9 +50,9 @@ from _harness import (
     run_interleaved,
 )
 
-from lightning_sparse.algorithms.dynamic import DynamicSparsityAlgorithm
-from lightning_sparse.algorithms.rigl import RigL
-from lightning_sparse.algorithms.set import SET
+from lightning_sparse.core.algorithms import DynamicSparsityAlgorithm
+from lightning_sparse.core.algorithms.attach import select
+from lightning_sparse import SET, RigL
 
 SPARSITY = 0.8
 DROP_FRACTION = 0.3
@@ -155,7 +155,8 @@ class MasksOnly:
 
 def compute_masks(algorithm: DynamicSparsityAlgorithm) -> object:
     with torch.no_grad():
-        return algorithm.compute_masks()
+        targets = {n: algorithm.target_sparsity(n, algorithm.step) for n in algorithm.sparse_params}
+        return algorithm.compute_masks(targets)
 
 
 # ---------------------------------------------------------------------- report
@@ -239,7 +240,7 @@ def main() -> None:
     batches = make_batches(cfg, args.warmup + args.steps, args.batch, args.seq, args.seed)
     print(machine_facts())
     model = build_model(cfg, args.seed)
-    n_sparse = sum(p.numel() for *_, p in make_algorithm("rigl").select(model))
+    n_sparse = sum(p.numel() for *_, p in select(make_algorithm("rigl"), model))
     print(
         f"model Llama preset {args.preset!r} ({model.num_params() / 1e6:.2f}M params, "
         f"{n_sparse / 1e6:.2f}M in the sparse weights), batch {args.batch} x seq {args.seq}, "

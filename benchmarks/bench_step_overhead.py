@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from lightning_sparse.algorithms.static import Static  # noqa: E402
+from lightning_sparse import Static  # noqa: E402
 from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
 
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

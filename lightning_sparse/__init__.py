@@ -1,46 +1,62 @@
 """lightning_sparse: training-time weight sparsity for PyTorch Lightning, Cerebras-compatible.
 
-Public API; everything not re-exported here is internal.
+The public API. Names load on first use, so ``import lightning_sparse`` costs nothing:
+
+- ``lightning_sparse.core`` is plain PyTorch (no Lightning import): ``from lightning_sparse.core
+  import RigL`` for a hand-written training loop;
+- the top-level algorithm names (``lightning_sparse.RigL``, ...) are the same classes made
+  Lightning callbacks (they work in plain loops too); using any Lightning name also registers the
+  emulated wafer-scale device (``accelerator="wse"``, strategies ``"wse"`` / ``"wse_ddp"``).
 """
 
-import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse", strategies "wse", "wse_ddp")
-from lightning_sparse.algorithms import (
-    GMP,
-    SET,
-    DynamicSparsityAlgorithm,
-    GraNet,
-    Group,
-    RigL,
-    SparsityAlgorithm,
-    Static,
-)
-from lightning_sparse.algorithms.base import algorithms_of
-from lightning_sparse.configure import configure
-from lightning_sparse.conversion import convert_nan_checkpoint, densify
-from lightning_sparse.filters import default_sparse_param_filter
-from lightning_sparse.legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
-from lightning_sparse.report import SparsityReport, sparsity_report
-from lightning_sparse.sparse_parameter import SparseParameter
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "GMP",
-    "SET",
-    "DynamicSparsityAlgorithm",
-    "GraNet",
-    "Group",
-    "RigL",
+_CORE = (
     "SparseParameter",
-    "SparsityAlgorithm",
-    "Static",
     "SparsityReport",
     "SparsityWrapperOptimizer",
     "algorithms_of",
-    "configure",
     "configure_sparsity_wrapper",
     "convert_nan_checkpoint",
     "default_sparse_param_filter",
     "densify",
     "sparsity_report",
-]
+)
+_LIGHTNING = (
+    "GMP",
+    "SET",
+    "AtomicCheckpointIO",
+    "DynamicSparsityAlgorithm",
+    "FlopCounter",
+    "GraNet",
+    "Group",
+    "IterativePruning",
+    "LoadWeights",
+    "ModelZooSparsity",
+    "RigL",
+    "SparseRunSummary",
+    "SparsityAlgorithm",
+    "SparsityCallback",
+    "Static",
+    "VariableSPDF",
+    "configure",
+)
+__all__ = sorted((*_CORE, *_LIGHTNING))
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CORE:
+        return getattr(importlib.import_module("lightning_sparse.core"), name)
+    if name in _LIGHTNING:
+        importlib.import_module("lightning_sparse.wse")  # registers the device with Lightning
+        return getattr(importlib.import_module("lightning_sparse.lightning"), name)
+    raise AttributeError(f"module 'lightning_sparse' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted((*globals(), *__all__))

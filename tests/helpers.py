@@ -180,3 +180,19 @@ def run_ddp_script(
         pytest.fail(f"{name} run did not finish within {timeout} s:\n{output[-4000:]}")
     assert proc.returncode == 0, f"{name} run failed:\n{output[-6000:]}"
     return [torch.load(outdir / f"rank{r}.pt", weights_only=weights_only) for r in range(world)]
+
+
+def assert_same_state(a: Any, b: Any, where: str = "state") -> None:
+    """Nested dicts/lists of tensors and plain values are equal (tensors exactly)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            assert_same_state(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), f"{where}: lengths differ"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same_state(x, y, f"{where}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.is_tensor(b) and torch.equal(a, b), f"{where}: tensors differ"
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"

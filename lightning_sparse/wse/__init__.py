@@ -8,7 +8,7 @@ YAML (``trainer.accelerator: wse``). See docs/wse.md.
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_sparse.wse.accelerator import WSEAccelerator, WSEStatsMonitor, check_precision
+from lightning_sparse.wse.lightning import WSEAccelerator, WSEStatsMonitor, check_precision
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.executor import (
     WSEExecutor,
@@ -26,7 +26,7 @@ from lightning_sparse.wse.kernels import (
     sparse_linear,
 )
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
-from lightning_sparse.wse.strategy import WSEDDPStrategy, WSEStrategy
+from lightning_sparse.wse.lightning import WSEDDPStrategy, WSEStrategy
 
 if WSEAccelerator.name() not in AcceleratorRegistry:
     WSEAccelerator.register_accelerators(AcceleratorRegistry)

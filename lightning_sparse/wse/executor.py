@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_sparse.algorithms.base import SparsityAlgorithm, algorithms_of
+from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.kernels import (
     PATHS,

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from lightning_sparse.masking import zero_pruned_
+from lightning_sparse.core.masking import zero_pruned_
 from lightning_sparse.wse.csr import CSRWeight
 
 PATHS = ("compiled", "torch", "dense")

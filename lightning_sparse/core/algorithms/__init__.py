@@ -1,0 +1,28 @@
+"""Sparsity algorithms: one base, the algorithms as siblings over it, and the `Group` composite."""
+
+from .attach import algorithms_of
+from .base import DynamicSparsityAlgorithm, SparsityAlgorithm, validate_sparsity
+from .gmp import GMP
+from .granet import GraNet
+from .group import Group
+from .registry import ALGORITHMS, algorithm_class, available_algorithms, register_algorithm
+from .rigl import RigL
+from .set import SET
+from .static import Static
+
+__all__ = [
+    "ALGORITHMS",
+    "GMP",
+    "SET",
+    "DynamicSparsityAlgorithm",
+    "GraNet",
+    "Group",
+    "RigL",
+    "SparsityAlgorithm",
+    "Static",
+    "algorithm_class",
+    "algorithms_of",
+    "available_algorithms",
+    "register_algorithm",
+    "validate_sparsity",
+]

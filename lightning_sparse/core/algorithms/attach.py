@@ -1,0 +1,228 @@
+"""Applying an algorithm to a model, all or nothing: select, validate everything, then modify.
+
+``apply(model)`` either sparsifies every selected parameter or raises, before the model changed,
+naming the parameter, the rule and the fix: parameters that are not floating point, shapes the
+shaper cannot structure, init-method masks of the wrong shape, dtype or count, masks already
+present, ``requires_dense`` parameters. Modification registers buffers and hooks first (undone
+on failure) and prunes the weights last.
+
+Frozen parameters (``requires_grad=False``): the default filter leaves them dense (logged once);
+one selected explicitly keeps a fixed mask: pruned at ``apply``, never updated, still re-pruned
+after every load (the PEFT base-weight case).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from ..filters import default_sparse_param_filter, is_dense_by_module
+from ..selection import Candidate, candidates, tied_parameter_ids
+from ..shapers import Shaper
+from ..sparse_parameter import SparseParameter, mask_buffer_name
+
+if TYPE_CHECKING:
+    from .base import SparsityAlgorithm
+
+__all__ = ["algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate"]
+
+log = logging.getLogger("lightning_sparse")
+_APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
+def algorithms_of(model: nn.Module) -> list[SparsityAlgorithm]:
+    """The algorithms applied to ``model`` (Group members individually), in order of application."""
+    return list(_APPLIED.get(model, []))
+
+
+def unregister(algorithm: SparsityAlgorithm) -> None:
+    """Forget ``algorithm`` in `algorithms_of` (it was removed)."""
+    if algorithm.root is not None and algorithm in _APPLIED.get(algorithm.root, []):
+        _APPLIED[algorithm.root].remove(algorithm)
+
+
+def is_root_visit() -> bool:
+    """Whether the caller's caller is the outermost frame of ``nn.Module.apply``.
+
+    ``model.apply(fn)`` calls ``fn`` on every submodule, root last, and says nothing of which
+    call is the root's; the only way to tell is whether ``Module.apply`` called us from inside
+    another ``Module.apply`` frame.
+    """
+    caller = sys._getframe(2)
+    if caller.f_code is not nn.Module.apply.__code__:
+        return True
+    outer = caller.f_back
+    return outer is None or outer.f_code is not nn.Module.apply.__code__
+
+
+def check_shaper(shaper: object) -> Shaper:
+    """``shaper`` if it is a `Shaper`, else a TypeError naming it."""
+    if not isinstance(shaper, Shaper):
+        raise TypeError(
+            f"shaper={shaper!r} must be a Shaper such as Unstructured(), NM(2, 4) or "
+            "OutputGroups(8) (lightning_sparse.core.shapers)"
+        )
+    return shaper
+
+
+def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
+    """Parameters of ``root`` the algorithm's filter picks, in registration order."""
+    tied = tied_parameter_ids(root)
+    chosen, frozen = [], []
+    for candidate in candidates(root):
+        if algorithm.param_filter is not None:
+            if algorithm.param_filter(candidate[0], candidate[3]):
+                chosen.append(candidate)
+        elif default_selects(candidate, tied):
+            if candidate[3].requires_grad:
+                chosen.append(candidate)
+            else:
+                frozen.append(candidate[0])
+    if frozen:
+        log.info("%s: %d frozen parameter(s) left dense (first: %s); select them with param_filter "
+                 "to give them a fixed mask", algorithm.name, len(frozen), frozen[0])
+    return chosen
+
+
+def default_selects(candidate: Candidate, tied: set[int]) -> bool:
+    """The default filter: Cerebras' name rule plus module types (embeddings, norms, heads)."""
+    name, module, _, param = candidate
+    if not default_sparse_param_filter(name, param):
+        return False
+    module_name = name.rsplit(".", 1)[0] if "." in name else ""
+    return not is_dense_by_module(module, module_name, tied, param)
+
+
+def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
+    """Raise, before anything is modified, if ``chosen`` cannot be sparsified by ``algorithm``."""
+    if algorithm.root is not None:
+        raise RuntimeError(
+            f"{algorithm.name} is already applied to a model; create a new algorithm object per "
+            "model (applying twice would stack masks)"
+        )
+    for name, module, attr, param in chosen:
+        buffer = mask_buffer_name(attr)
+        if buffer in module._buffers:
+            raise RuntimeError(
+                f"{name!r} already has a mask ({buffer}): it is sparsified by another algorithm; "
+                "use one Group to give parameters different algorithms"
+            )
+        if hasattr(module, buffer):
+            raise RuntimeError(f"{type(module).__name__} already has an attribute {buffer!r}, "
+                               f"where the mask of {name!r} would go; rename that attribute")
+        if getattr(param, "requires_dense", False):
+            raise RuntimeError(f"{name!r} has requires_dense=True and cannot be sparsified")
+        if not param.is_floating_point():
+            raise TypeError(
+                f"{name!r} has dtype {param.dtype}; only floating-point parameters can be "
+                "sparsified: exclude it with param_filter"
+            )
+        if param.ndim < 2 and algorithm.param_filter is not None:
+            warnings.warn(f"{algorithm.name}: param_filter selected the {param.ndim}-D parameter "
+                          f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
+                          stacklevel=4)
+        algorithm.shaper.check(param.shape, name)
+    algorithm.shapes = {name: param.shape for name, _, _, param in chosen}
+    algorithm._layer_cache = {}
+    algorithm.check_range(algorithm.horizon())
+
+
+def check_mask(mask: object, param: torch.Tensor, name: str, init_method: object) -> torch.Tensor:
+    """An init method's output as a bool mask of ``param``'s shape, or an error naming it."""
+    if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(param.shape):
+        shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ValueError(
+            f"init_method {getattr(init_method, '__name__', init_method)!r} returned {shape} for "
+            f"{name!r} of shape {tuple(param.shape)}; it must return a bool mask of that shape"
+        )
+    if mask.dtype != torch.bool:
+        if mask.is_floating_point() or not bool(((mask == 0) | (mask == 1)).all()):
+            raise TypeError(
+                f"init_method {getattr(init_method, '__name__', init_method)!r} returned dtype "
+                f"{mask.dtype} for {name!r}; return a torch.bool mask (True = kept)"
+            )
+        mask = mask.to(torch.bool)
+    return mask
+
+
+def build_masks(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> list[torch.Tensor]:
+    """Initial masks of ``chosen`` (checked), computed before anything is modified."""
+    return algorithm.initial_masks(chosen)
+
+
+def register(
+    algorithm: SparsityAlgorithm, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
+) -> list[SparseParameter]:
+    """Register masks and hooks for ``chosen``; on failure undo them and raise. Reversible
+    (`unregister_params`) until `commit` prunes the weights."""
+    sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
+    try:
+        for sp, mask in zip(sps, masks, strict=True):
+            sp.register_mask(mask)
+        algorithm.hooks.install(root, sps)
+    except BaseException:
+        unregister_params(algorithm, sps)
+        raise
+    return sps
+
+
+def unregister_params(algorithm: SparsityAlgorithm, sps: list[SparseParameter]) -> None:
+    """Undo `register`."""
+    algorithm.hooks.remove()
+    for sp in sps:
+        sp.remove_mask()
+
+
+def commit(algorithm: SparsityAlgorithm, root: nn.Module, sps: list[SparseParameter]) -> None:
+    """Prune the registered parameters: from here ``algorithm`` owns them."""
+    algorithm.root = root
+    algorithm.sparse_params.update((sp.name, sp) for sp in sps)
+    with torch.no_grad():
+        for sp in sps:
+            sp.prune_()
+            if algorithm.track_itop:
+                algorithm.ever_active[sp.name] = sp.mask.clone()
+    algorithm.mask_targets = {sp.name: algorithm.initial_target(sp.name) for sp in sps}
+    if sps:
+        _APPLIED.setdefault(root, []).append(algorithm)
+    algorithm.observers.emit_sparsity(algorithm)
+
+
+def apply_model(algorithm: SparsityAlgorithm, root: nn.Module) -> None:
+    """``algorithm.apply(root)``: select, validate, build masks, then attach."""
+    chosen = select(algorithm, root)
+    if not chosen:
+        warnings.warn(
+            f"{algorithm.name}: no parameter of {type(root).__name__} matched the parameter "
+            "filter, so nothing was sparsified; check param_filter against "
+            "model.named_parameters()",
+            stacklevel=4,
+        )
+    validate(algorithm, chosen)
+    algorithm.resolve_seed()
+    commit(algorithm, root, register(algorithm, root, chosen, build_masks(algorithm, chosen)))
+
+
+def check_optimizer(algorithm: SparsityAlgorithm, optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` can be made sparse by ``algorithm`` now."""
+    if algorithm.root is None:
+        raise RuntimeError(
+            f"apply the sparsity to the model first (model.apply({algorithm.name})), then to the "
+            "optimizer"
+        )
+    if any(o is optimizer for o in algorithm.hooks.optimizers):
+        raise RuntimeError(f"{algorithm.name} is already applied to this optimizer")
+    own = {id(p) for p in algorithm.root.parameters()}
+    foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) (first shape "
+            f"{tuple(foreign[0].shape)}) that the sparsified model does not own; build the "
+            "optimizer from that model's parameters()"
+        )

@@ -1,0 +1,406 @@
+"""`SparsityAlgorithm`: the one base of every algorithm; it owns masks, ``step`` and the rules.
+
+Plain PyTorch, as in Cerebras' ``cstorch.sparse``::
+
+    sparsity = RigL(sparsity=0.9, update={"freq": 100})
+    model.apply(sparsity)          # same as sparsity.apply(model)
+    sparsity.apply(optimizer)      # official torch.optim step hooks; any optimizer
+
+An algorithm is its rule, ``update_mask(p, mask, sparsity) -> mask``, over this base: a sparsity
+schedule, an update cadence (Cerebras semantics: ``{"freq", "start", "stop"}`` with ``stop``
+exclusive, ``{"steps": [...]}``, a callable or ``None`` = every step; training starts sparse when
+step 0 is an update step, dense otherwise), the initial mask, the layer distribution and the
+structure (shaper). ``step`` counts completed optimizer steps; the update for step ``t`` runs after
+that step's gradients are accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1).
+The per-step path is `per_step.StepHooks`, observers `observers.Observers`, apply-time checks
+`attach.py`, checkpoint checks `checkpoint.py`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .. import report
+from ..distributions import make_distribution
+from ..filters import ParamFilter, make_param_filter
+from ..init_methods import make_init_method
+from ..observers import Observers, SparsityHook, UpdateHook
+from ..per_step import StepHooks
+from ..rng import generator_for, resolve_seed
+from ..schedules import (
+    Cycling,
+    HyperParameterSchedule,
+    UpdateSchedule,
+    check_drop_fraction_value,
+    check_sparsity_value,
+    evaluate,
+    make_hyperparam_schedule,
+    make_update_schedule,
+    steps_to_check,
+)
+from ..selection import Candidate
+from ..shapers import Shaper, Unstructured
+from ..sharding import full, is_sharded, shard_like
+from . import attach, checkpoint
+from .registry import register_algorithm
+
+__all__ = ["ScheduleSpec", "SparsityAlgorithm", "UpdateSpec", "validate_sparsity"]
+
+ScheduleSpec = float | list | dict | Callable[[int], float] | HyperParameterSchedule
+UpdateSpec = int | list | dict | Callable[[int], bool] | UpdateSchedule | None
+_counter = itertools.count()
+
+
+def validate_sparsity(value: object, where: str = "") -> float:
+    """One sparsity level: a real number in [0, 1), else an error naming value, rule and fix."""
+    suffix = f" for {where!r}" if where else ""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"sparsity={value!r}{suffix} must be a float in [0, 1), e.g. 0.8")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(
+            f"sparsity={value!r}{suffix} must be in [0, 1): it is the fraction of zeros, so 0.8 "
+            "keeps 20% of the weights"
+        )
+    return float(value)
+
+
+def bind(schedule: ScheduleSpec, cadence: UpdateSchedule, count_zero: bool) -> HyperParameterSchedule:
+    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates."""
+    built = make_hyperparam_schedule(schedule)
+    return built.bind(cadence, count_zero) if isinstance(built, Cycling) else built
+
+
+class SparsityAlgorithm(ABC):
+    """Base class. Subclasses implement ``update_mask`` and cite their paper.
+
+    Args:
+        sparsity: target sparsity: a float in [0, 1) or a schedule (``{"type": "cubic", ...}``,
+            a list = Cycling, a callable ``step -> float``); checked over the training range.
+        update: when masks change (module docstring). ``None``: every step.
+        init_method: ``random``, ``topk``, ``from_zeros``, ``checkerboard`` or a callable
+            ``(p, sparsity, *, generator, shaper) -> bool mask``.
+        param_filter: a glob, a list of globs or ``(name, param) -> bool``. Default: trainable
+            weights with ``ndim >= 2`` that are not embeddings, norms or output heads.
+        seed: seeds every random choice through ``(seed, step, name)``; ``None``: the
+            experiment's torch seed (rank 0's under torch.distributed).
+        shaper: structure: ``Unstructured()`` (default), ``OutputGroups``, ``InputGroups``,
+            ``NM``, ``Blocks``.
+        distribution: ``uniform``, ``er`` or ``erk`` (Evci et al. 2020, arXiv:1911.11134).
+        erk_power_scale: exponent on the ER/ERK raw scores (1.0 in the paper).
+        track_itop: keep an "ever active" mask per parameter for the ITOP rate (Liu et al.
+            2021, arXiv:2102.02887).
+    """
+
+    needs_dense_grad: ClassVar[bool] = False  # RigL, GraNet: the grow score reads the gradient
+
+    def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if register and not inspect.isabstract(cls):
+            register_algorithm(cls)
+
+    def __init__(
+        self,
+        sparsity: ScheduleSpec,
+        update: UpdateSpec = None,
+        init_method: str | Callable[..., torch.Tensor] = "random",
+        param_filter: str | list[str] | ParamFilter | None = None,
+        seed: int | None = None,
+        shaper: Shaper | None = None,
+        distribution: str = "uniform",
+        erk_power_scale: float = 1.0,
+        track_itop: bool = True,
+    ) -> None:
+        if isinstance(sparsity, int | float) and not isinstance(sparsity, bool):
+            validate_sparsity(sparsity)
+        self.update_schedule = make_update_schedule(update)
+        self.sparsity = bind(sparsity, self.update_schedule, count_zero=True)
+        self.init_method = make_init_method(init_method)
+        self.param_filter = make_param_filter(param_filter)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed={seed!r} must be an int, or None for the experiment's seed")
+        self.seed = seed
+        self.seed_given = seed is not None
+        self.shaper = attach.check_shaper(shaper) if shaper is not None else Unstructured()
+        self.distribution_name = distribution
+        self.distribution = make_distribution(distribution)
+        self.erk_power_scale = float(erk_power_scale)
+        self.track_itop = bool(track_itop)
+        self.name = f"sparsity_{type(self).__name__.lower()}_{next(_counter)}"
+        self.step = 0
+        self.autoupdate = True  # optimizer steps update the masks (False: call update() yourself)
+        self.lightning_driven = False  # set by the Lightning layer: it calls before_step itself
+        self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
+        self.root: nn.Module | None = None
+        self.sparse_params: OrderedDict[str, Any] = OrderedDict()  # name -> SparseParameter
+        self.frozen: set[str] = set()  # selected but requires_grad=False: the mask stays fixed
+        self.ever_active: dict[str, torch.Tensor] = {}
+        self.last_update: dict[str, dict[str, torch.Tensor]] = {}
+        self.unlogged_update = False
+        self.last_update_step = -1
+        self.mask_targets: dict[str, float] = {}
+        self.shapes: dict[str, torch.Size] = {}
+        self._current = ""  # the parameter update_mask works on (name_of)
+        self._layer_cache: dict[float, dict[str, float]] = {}
+        self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
+        self.observers = Observers()
+        self.hooks = StepHooks(self)
+        self.check_range(self.horizon())
+
+    # ------------------------------------------------------------------ the rule (subclasses)
+    @abstractmethod
+    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+        """New bool mask for ``p`` (any shape, ``.grad`` set) given its ``mask``, at ``sparsity``."""
+
+    def milestones(self) -> tuple[int, ...]:
+        """Steps that are update steps whatever the cadence (none by default)."""
+        return ()
+
+    def check_range(self, horizon: int) -> None:
+        """Check every scheduled value used in steps ``[0, horizon]``: in [0, 1), finite."""
+        for step in steps_to_check(self.update_schedule, horizon, (0, *self.milestones())):
+            check_sparsity_value(evaluate(self.sparsity, step, "sparsity"), step, self.sparsity)
+            if self.drop_fraction is not None:
+                self.drop_fraction_at(step)
+
+    def drop_fraction_at(self, step: int) -> float:
+        """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
+        value = evaluate(self.drop_fraction, step, "drop_fraction")
+        check_drop_fraction_value(value, step, self.drop_fraction)
+        return value
+
+    def horizon(self) -> int:
+        """The last step the schedules define without knowing the run's length (the cadence's
+        end, a ramp's end); open-ended ones are checked up to ``max_steps`` by the Lightning
+        layer, and every value is checked again when it is used."""
+        last = self.update_schedule.last()
+        return last if last is not None else max((*self.milestones(), *self.sparsity.milestones(), 0))
+
+    # ------------------------------------------------------------------ schedule
+    @property
+    def starts_sparse(self) -> bool:
+        """Whether step 0 is an update step (else masks stay all-ones until the first update)."""
+        return bool(self.update_schedule(0))
+
+    def is_update_step(self, step: int | None = None) -> bool:
+        """Whether masks change after ``step`` completed steps (default: the current step)."""
+        step = self.step if step is None else step
+        return step > 0 and (bool(self.update_schedule(step)) or step in self.milestones())
+
+    @property
+    def dense_grad_needed(self) -> bool:
+        """True while backward must keep the gradient dense for this step's update."""
+        return (
+            self.needs_dense_grad and self.last_update_step != self.step and self.is_update_step()
+        )
+
+    def target_sparsity(self, name: str, step: int) -> float:
+        """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
+        value = evaluate(self.sparsity, step, "sparsity")
+        check_sparsity_value(value, step, self.sparsity, name)
+        return self.layer_sparsity(name, value)
+
+    def layer_sparsity(self, name: str, sparsity: float) -> float:
+        """Sparsity of parameter ``name`` when the overall target is ``sparsity``."""
+        if self.distribution_name == "uniform" or name not in self.shapes:
+            return sparsity
+        if sparsity not in self._layer_cache:
+            spread = self.distribution(self.shapes, sparsity, power_scale=self.erk_power_scale)
+            self._layer_cache = {sparsity: spread}
+        return self._layer_cache[sparsity][name]
+
+    def initial_target(self, name: str) -> float:
+        """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
+        return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
+
+    def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """Mask at ``apply``: ``init_method`` at the step-0 target, or all-ones (dense start)."""
+        if not self.starts_sparse:
+            return torch.ones_like(param, dtype=torch.bool)
+        generator = generator_for(self.seed, 0, name, param.device)
+        dense = full(param.detach())
+        mask = self.init_method(dense, self.initial_target(name), generator=generator, shaper=self.shaper)
+        return shard_like(attach.check_mask(mask, dense, name, self.init_method), param)
+
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
+        """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
+        return [self.initial_mask(name, param) for name, _, _, param in chosen]
+
+    # ------------------------------------------------------------------ apply
+    def __call__(self, module: nn.Module) -> None:
+        """``model.apply(sparsity)``: torch calls this per submodule, root last; only the root's
+        call acts (`attach.is_root_visit`), so filters see full names."""
+        if attach.is_root_visit():
+            self.apply(module)
+
+    def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
+        """Sparsify a model (masks, pruning; all or nothing) or an optimizer (its step hooks;
+        the optimizer applied last advances ``step``)."""
+        if isinstance(obj, nn.Module):
+            attach.apply_model(self, obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            attach.check_optimizer(self, obj)
+            self.hooks.attach_optimizer(obj)
+        else:
+            raise TypeError(
+                f"{type(self).__name__}.apply expects an nn.Module or a torch.optim.Optimizer, got "
+                f"{type(obj).__name__}"
+            )
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Optimizers this algorithm is applied to; the last one advances ``step``."""
+        return self.hooks.optimizers
+
+    def detach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remove this algorithm's hooks from ``optimizer`` (e.g. one a new fit replaced)."""
+        self.hooks.detach_optimizer(optimizer)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The work before ``optimizer.step()`` (see `per_step`); Lightning calls it from
+        ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
+        self.hooks.before_step(optimizer)
+
+    def resolve_seed(self) -> None:
+        """Fix ``seed`` (the experiment's, rank 0's) before the first mask is drawn."""
+        self.seed = resolve_seed(self.seed)
+
+    # ------------------------------------------------------------------ update
+    def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Recompute the masks on update steps (once per step), before the optimizer step. In a
+        plain loop that clips gradients, call it before clipping on update steps."""
+        if not self.sparse_params or not self.is_update_step() or self.last_update_step == self.step:
+            return
+        if self.check_finite and not self.grads_finite():
+            return  # AMP skips this step; the step counter does not advance, retry next time
+        with torch.no_grad():
+            targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
+            masks = self.compute_masks(targets)
+        self.last_update_step = self.step
+        self.set_masks_(masks, targets)
+        if optimizer is None:  # called by hand: mask the gradients for clipping now
+            for opt in self.hooks.optimizers:
+                self.hooks.sync(opt)
+
+    def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
+        """New masks by ``update_mask``, one parameter at a time (a sharded one gathered with its
+        gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
+        masks = {}
+        for name, sp in self.sparse_params.items():
+            if name in self.frozen:
+                continue
+            param = p = sp.param
+            if is_sharded(param):
+                p = full(param.detach())
+                p.grad = full(param.grad) if param.grad is not None else None
+            self._current = name
+            masks[name] = shard_like(self.update_mask(p, full(sp.mask), targets[name]), param)
+        return masks
+
+    def set_masks_(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
+        """Install ``masks`` (name -> bool) built for ``targets``, prune, tell the observers."""
+        stats: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, mask in masks.items():
+                sp = self.sparse_params[name]
+                old = sp.mask
+                stats[name] = {
+                    "dropped": full((old & ~mask).count_nonzero()),
+                    "grown": full((mask & ~old).count_nonzero()),
+                }
+                old.copy_(mask)
+                sp.prune_()
+                if name in self.ever_active:
+                    self.ever_active[name] |= mask
+                    stats[name]["itop"] = full(self.ever_active[name].count_nonzero()) / mask.numel()
+                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+        self.last_update, self.unlogged_update = stats, True
+        self.mask_targets.update({n: targets[n] for n in masks})
+        self.hooks.version += 1
+        self.observers.emit_sparsity(self)
+        self.observers.emit_update(self, self.step, stats)
+
+    def name_of(self, p: torch.Tensor) -> str:
+        """Full name of the parameter ``update_mask`` is working on."""
+        return self._current
+
+    def generator(self, p: torch.Tensor) -> torch.Generator:
+        """Random stream for ``p`` at this step: the same on every rank and after a resume."""
+        return generator_for(self.seed, self.step, self.name_of(p), p.device)
+
+    def grads_finite(self) -> bool:
+        """Whether every sparse gradient is finite (one host sync; update steps only)."""
+        grads = [sp.param.grad for sp in self.sparse_params.values() if sp.param.grad is not None]
+        return not grads or bool(torch.stack([full(g.isfinite().all()) for g in grads]).all())
+
+    def mask_target(self, name: str) -> float:
+        """Sparsity the current mask of ``name`` was built for."""
+        return self.mask_targets[name]
+
+    def overall_sparsity(self) -> tuple[float, torch.Tensor]:
+        """(target, actual 0-d tensor) over this algorithm's parameters, weighted by size."""
+        return report.overall_sparsity(self)
+
+    def itop_rate(self) -> torch.Tensor:
+        """Share of the sparse weights ever active (0-d tensor; no host sync)."""
+        return report.itop_rate(self.ever_active)
+
+    # ------------------------------------------------------------------ observers
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """``hook(algorithm, step, stats)`` after each mask update (see `observers.UpdateHook`)."""
+        return Observers.add(self.observers.update, hook)
+
+    def register_target_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, target: float)`` whenever masks are (re)computed."""
+        return Observers.add(self.observers.target, hook)
+
+    def register_computed_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, actual: 0-d tensor)`` whenever masks are (re)computed."""
+        return Observers.add(self.observers.computed, hook)
+
+    # ------------------------------------------------------------------ checkpoints, removal
+    def config(self) -> dict[str, str]:
+        """What a checkpoint must agree on to be resumed by this object (stable reprs)."""
+        drop = self.drop_fraction
+        return {
+            "sparsity": repr(self.sparsity),
+            "update": repr(self.update_schedule),
+            "shaper": repr(self.shaper),
+            "distribution": self.distribution_name,
+            **({"drop_fraction": repr(drop)} if drop is not None else {}),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, seed and identity (masks are ``<param>_mask`` buffers of the model)."""
+        return checkpoint.algorithm_state(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` output: everything is checked before anything changes."""
+        checkpoint.load_algorithm_state(self, state_dict)
+
+    def check_incoming_state(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        """Load pre-hook of the model: masks must fit; a dense checkpoint gets the masks."""
+        checkpoint.check_incoming_masks(self, module, state_dict, prefix)
+
+    def remove(self) -> None:
+        """Remove masks and every hook: the model and optimizers train dense from here on."""
+        self.hooks.remove()
+        for sp in self.sparse_params.values():
+            sp.remove_mask()
+        attach.unregister(self)
+        self.sparse_params.clear()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"
+
+
+DynamicSparsityAlgorithm = SparsityAlgorithm
+"""The name earlier versions gave the base of dynamic algorithms; one base serves all now."""

@@ -1,0 +1,423 @@
+"""FLOP and parameter counts of a decoder-only transformer, dense versus sparse.
+
+FLOPs follow appendix F of "Training Compute-Optimal Large Language Models" (Hoffmann et al.,
+2022, arXiv:2203.15556, "Chinchilla"), per layer and per sequence of ``seq`` tokens, with ``d`` the
+model width and ``key_size * heads = d``:
+
+=======================  ==============================================================
+embeddings               ``2 * seq * vocab * d`` (a lookup costed as a one-hot matmul)
+attention QKV            ``2 * 3 * seq * d * d``
+attention logits         ``2 * seq * seq * d``
+attention softmax        ``3 * heads * seq * seq``
+softmax @ values         ``2 * seq * seq * d``
+attention output         ``2 * seq * d * d``
+feed-forward             ``2 * seq * 2 * d * ffw`` (SwiGLU: ``2 * seq * 3 * d * ffw``)
+final logits             ``2 * seq * d * vocab``
+=======================  ==============================================================
+
+The backward pass costs twice the forward, so training costs ``3 x`` forward. Every token attends
+to all ``seq`` positions (no causal halving), as in the paper.
+
+Sparsity: a weight matrix with ``kept`` of its ``numel`` weights costs ``2 * kept`` FLOPs per token
+instead of ``2 * numel`` (unstructured sparsity on hardware that skips zeros, such as the Cerebras
+CS-2). Attention logits, softmax and values have no weights and embedding lookups skip nothing, so
+those terms stay dense. ``kept = int((1 - sparsity) * numel)``, the count a mask keeps.
+
+Two entry points share one report: :func:`transformer_flops` (arithmetic from a config) and
+:func:`model_flops` (walks an ``nn.Module``, also one on the ``meta`` device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from lightning_sparse.core.sparse_parameter import mask_buffer_name
+
+__all__ = ["FlopReport", "MATRIX_KINDS", "model_flops", "transformer_flops"]
+
+MATRIX_KINDS = ("qkv", "attn_out", "ffn", "embedding", "head")
+"""Keys of a per-kind ``sparsity`` mapping in :func:`transformer_flops`."""
+
+_BLOCK_KINDS = ("qkv", "attn_out", "ffn")
+
+
+@dataclass(frozen=True)
+class FlopReport:
+    """FLOPs and parameters of one model, sparse and dense; everything else is derived.
+
+    Attributes:
+        seq_len: tokens per sequence.
+        forward_flops_per_token: sparse forward FLOPs per token.
+        dense_forward_flops_per_token: the same model with every weight kept.
+        params: parameter count (the dense model's count).
+        nonzero_params: parameters kept by the masks.
+        dense_grad_flops_per_token: extra FLOPs per token of one dense weight-gradient pass over
+            the sparse matrices, ``sum 2 * (numel - kept)``. RigL ("Rigging the Lottery: Making All
+            Tickets Winners", Evci et al., 2020, arXiv:1911.11134) needs it on mask-update steps
+            to score the pruned connections; the input gradient and forward stay sparse, so this
+            is the only extra cost assumed.
+    """
+
+    seq_len: int
+    forward_flops_per_token: int
+    dense_forward_flops_per_token: int
+    params: int
+    nonzero_params: int
+    dense_grad_flops_per_token: int
+
+    @property
+    def forward_flops(self) -> int:
+        """Sparse forward FLOPs per sequence."""
+        return self.forward_flops_per_token * self.seq_len
+
+    @property
+    def dense_forward_flops(self) -> int:
+        """Dense forward FLOPs per sequence."""
+        return self.dense_forward_flops_per_token * self.seq_len
+
+    @property
+    def training_flops(self) -> int:
+        """Sparse training FLOPs per sequence: forward plus a backward of twice the forward."""
+        return 3 * self.forward_flops
+
+    @property
+    def dense_training_flops(self) -> int:
+        """Dense training FLOPs per sequence."""
+        return 3 * self.dense_forward_flops
+
+    @property
+    def inference_flops(self) -> int:
+        """Sparse inference FLOPs per sequence: one forward over all of it (no KV cache)."""
+        return self.forward_flops
+
+    @property
+    def dense_inference_flops(self) -> int:
+        """Dense inference FLOPs per sequence."""
+        return self.dense_forward_flops
+
+    @property
+    def inference_reduction(self) -> float:
+        """Dense over sparse inference FLOPs (``3.0`` means three times fewer)."""
+        return self.dense_forward_flops_per_token / self.forward_flops_per_token
+
+    @property
+    def param_reduction(self) -> float:
+        """All parameters over kept parameters."""
+        return self.params / self.nonzero_params
+
+    def extra_dense_grad_flops(self, n_updates: int, batch_size: int = 1) -> int:
+        """Extra FLOPs of dense weight gradients on mask-update steps.
+
+        Args:
+            n_updates: steps that compute dense weight gradients.
+            batch_size: sequences per step.
+
+        Returns:
+            ``n_updates * batch_size * seq_len * dense_grad_flops_per_token``.
+        """
+        _check_count("n_updates", n_updates, minimum=0)
+        _check_count("batch_size", batch_size)
+        return n_updates * batch_size * self.seq_len * self.dense_grad_flops_per_token
+
+    def total_training_flops(
+        self, tokens: int, dense_gradient_steps: int = 0, batch_size: int = 1
+    ) -> int:
+        """Training FLOPs over ``tokens`` tokens, plus dense gradients on some steps.
+
+        Args:
+            tokens: tokens trained on.
+            dense_gradient_steps: steps that also compute dense weight gradients (RigL's mask
+                updates; 0 for static sparsity, SET, GMP).
+            batch_size: sequences per such step.
+
+        Returns:
+            ``3 * forward_flops_per_token * tokens`` plus :meth:`extra_dense_grad_flops`.
+        """
+        _check_count("tokens", tokens, minimum=0)
+        extra = self.extra_dense_grad_flops(dense_gradient_steps, batch_size)
+        return 3 * self.forward_flops_per_token * tokens + extra
+
+    def as_dict(self) -> dict[str, float]:
+        """Fields and derived figures, for loggers."""
+        derived = (
+            "forward_flops",
+            "dense_forward_flops",
+            "training_flops",
+            "dense_training_flops",
+            "inference_flops",
+            "dense_inference_flops",
+            "inference_reduction",
+            "param_reduction",
+        )
+        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
+
+    def __str__(self) -> str:
+        rows = [
+            ("params", self.nonzero_params, self.params),
+            (
+                "forward FLOPs / token",
+                self.forward_flops_per_token,
+                self.dense_forward_flops_per_token,
+            ),
+            ("inference FLOPs / sequence", self.inference_flops, self.dense_inference_flops),
+            ("training FLOPs / sequence", self.training_flops, self.dense_training_flops),
+        ]
+        lines = [f"{'':28}{'sparse':>12}{'dense':>12}{'dense/sparse':>14}"]
+        lines += [f"{name:28}{s:>12.3e}{d:>12.3e}{d / s:>13.2f}x" for name, s, d in rows]
+        return "\n".join(lines)
+
+
+def transformer_flops(
+    n_layers: int,
+    d_model: int,
+    n_heads: int,
+    seq_len: int,
+    vocab_size: int,
+    ffn_hidden: int | None = None,
+    ffn_kind: str = "gelu",
+    sparsity: float | Mapping[str, float] = 0.0,
+    include_embeddings: bool = True,
+    include_logits: bool = True,
+    *,
+    tie_embeddings: bool = False,
+    n_positions: int = 0,
+) -> FlopReport:
+    """Cost a decoder-only transformer from its configuration (Chinchilla appendix F).
+
+    Weights counted: per layer the Q, K, V and output projections (``d x d`` each) and the
+    feed-forward matrices (two ``d x ffw``, three for SwiGLU); the token embedding and the output
+    head (``vocab x d``); a learned position table (``n_positions x d``). Norm gains and biases
+    (``O(n_layers * d)``) are left out.
+
+    Args:
+        n_layers: transformer blocks.
+        d_model: model width ``d`` (``= key_size * n_heads``).
+        n_heads: attention heads.
+        seq_len: tokens per sequence.
+        vocab_size: vocabulary size.
+        ffn_hidden: feed-forward width ``ffw``; default ``4 * d_model``.
+        ffn_kind: ``"gelu"`` (two matrices) or ``"swiglu"`` (three).
+        sparsity: a float for the block matrices (``qkv``, ``attn_out``, ``ffn``) with embeddings
+            and head dense, or a mapping from kinds in :data:`MATRIX_KINDS` to sparsity (missing
+            kinds are dense). Embedding sparsity changes parameters, never FLOPs.
+        include_embeddings: count embedding FLOPs (``2 * vocab * d`` per token, and
+            ``2 * n_positions * d`` for a position table).
+        include_logits: count the final-logits FLOPs.
+        tie_embeddings: the head is the embedding matrix (GPT-2/3): no own parameters, and its
+            sparsity is ``sparsity["embedding"]``.
+        n_positions: rows of a learned position table (GPT-2/3: the context length); 0 for RoPE.
+
+    Returns:
+        The :class:`FlopReport`.
+
+    Raises:
+        ValueError: a size that is not a positive integer, ``d_model`` not divisible by
+            ``n_heads``, an unknown ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
+    """
+    for name, value in (
+        ("n_layers", n_layers),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        ("seq_len", seq_len),
+        ("vocab_size", vocab_size),
+    ):
+        _check_count(name, value)
+    _check_count("n_positions", n_positions, minimum=0)
+    if d_model % n_heads:
+        raise ValueError(
+            f"d_model={d_model} is not divisible by n_heads={n_heads}; the head size "
+            "d_model / n_heads must be whole: change one of them."
+        )
+    ffw = 4 * d_model if ffn_hidden is None else _check_count("ffn_hidden", ffn_hidden)
+    if ffn_kind not in ("gelu", "swiglu"):
+        raise ValueError(
+            f"ffn_kind={ffn_kind!r} is unknown; pass 'gelu' (two feed-forward "
+            "matrices) or 'swiglu' (three)."
+        )
+    s = _kind_sparsity(sparsity, tie_embeddings)
+
+    d, vocab = d_model, vocab_size
+    n_ffn = 3 if ffn_kind == "swiglu" else 2
+    layer = [("qkv", d * d)] * 3 + [("attn_out", d * d)] + [("ffn", d * ffw)] * n_ffn
+    blocks = [(numel, _kept(numel, s[kind])) for kind, numel in layer] * n_layers
+    head_kept = _kept(vocab * d, s["embedding" if tie_embeddings else "head"])
+    matrices = (blocks + [(vocab * d, head_kept)]) if include_logits else blocks
+
+    # Weight-free terms: attention logits, softmax and values per layer; embedding lookups.
+    other = n_layers * (2 * seq_len * d + 3 * n_heads * seq_len + 2 * seq_len * d)
+    if include_embeddings:
+        other += 2 * (vocab + n_positions) * d
+
+    params = sum(numel for numel, _ in blocks) + (vocab + n_positions) * d
+    nonzero = sum(kept for _, kept in blocks) + _kept(vocab * d, s["embedding"]) + n_positions * d
+    if not tie_embeddings:
+        params += vocab * d
+        nonzero += head_kept
+    return _report(seq_len, matrices, other, params, nonzero)
+
+
+def model_flops(
+    model: nn.Module,
+    seq_len: int,
+    *,
+    n_layers: int | None = None,
+    d_model: int | None = None,
+    n_heads: int | None = None,
+    sparsity: Mapping[str, float] | None = None,
+    head: str = "lm_head",
+    include_embeddings: bool = True,
+    include_logits: bool = True,
+) -> FlopReport:
+    """Cost any module tree: its ``nn.Linear`` and ``nn.Embedding`` layers, plus attention.
+
+    Rules (Chinchilla appendix F conventions):
+
+    - each ``nn.Linear`` costs ``2 * kept`` FLOPs per token for its weight (biases ignored);
+      ``kept`` is ``sparsity[name]`` if given, else the count of True in the ``<param>_mask``
+      buffer on the owning module, else ``numel`` (dense). A tied head finds the mask through the
+      shared parameter. Each module counts once, however often the forward calls it.
+    - each ``nn.Embedding`` costs ``2 * num_embeddings * embedding_dim`` per token (dense).
+    - attention logits, softmax and values come from ``n_layers``, ``d_model`` and ``n_heads``
+      (all three or none): ``n_layers * (4 * seq * d + 3 * heads * seq)`` per token.
+    - other modules (norms, activations) cost nothing; all parameters count toward ``params``.
+
+    Nothing is allocated or computed on the weights, so a model built under
+    ``torch.device("meta")`` works; its masks cannot be counted, so pass ``sparsity``.
+
+    Args:
+        model: the model.
+        seq_len: tokens per sequence.
+        n_layers: transformer blocks, for the attention terms.
+        d_model: attention width ``key_size * n_heads``.
+        n_heads: attention heads.
+        sparsity: ``{parameter name: sparsity}`` (names as in ``model.named_parameters()``),
+            overriding masks.
+        head: module name of the output head, dropped from FLOPs when ``include_logits=False``.
+        include_embeddings: count embedding FLOPs.
+        include_logits: count the head's FLOPs.
+
+    Returns:
+        The :class:`FlopReport`.
+
+    Raises:
+        ValueError: bad sizes, unknown parameter names or sparsity outside ``[0, 1)`` in
+            ``sparsity``, a mask on the meta device without a ``sparsity`` entry, a missing head.
+    """
+    _check_count("seq_len", seq_len)
+    kept = _kept_by_param(model, sparsity or {})
+
+    matrices: list[tuple[int, int]] = []
+    other = 0
+    modules = dict(model.named_modules())
+    if not include_logits and head not in modules:
+        raise ValueError(
+            f"include_logits=False but the model has no module named {head!r}; pass "
+            "head=<name of the output nn.Linear>."
+        )
+    for name, module in modules.items():
+        if isinstance(module, nn.Linear) and (include_logits or name != head):
+            w = module.weight
+            matrices.append((w.numel(), kept.get(id(w), w.numel())))
+        elif isinstance(module, nn.Embedding) and include_embeddings:
+            other += 2 * module.num_embeddings * module.embedding_dim
+
+    attention = {"n_layers": n_layers, "d_model": d_model, "n_heads": n_heads}
+    if any(v is not None for v in attention.values()):
+        for name, value in attention.items():
+            if value is None:
+                raise ValueError(
+                    f"{name} is missing; attention terms need n_layers, d_model and "
+                    "n_heads together: pass all three, or none to leave them out."
+                )
+            _check_count(name, value)
+        other += n_layers * (4 * seq_len * d_model + 3 * n_heads * seq_len)
+
+    params = list(model.parameters())
+    nonzero = sum(kept.get(id(p), p.numel()) for p in params)
+    return _report(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
+
+
+def _report(
+    seq_len: int, matrices: list[tuple[int, int]], other: int, params: int, nonzero: int
+) -> FlopReport:
+    """Assemble a report from ``(numel, kept)`` weight matrices and weight-free FLOPs per token."""
+    return FlopReport(
+        seq_len=seq_len,
+        forward_flops_per_token=sum(2 * k for _, k in matrices) + other,
+        dense_forward_flops_per_token=sum(2 * n for n, _ in matrices) + other,
+        params=params,
+        nonzero_params=nonzero,
+        dense_grad_flops_per_token=sum(2 * (n - k) for n, k in matrices),
+    )
+
+
+def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int, int]:
+    """Kept weights of each parameter with a ``sparsity`` entry or a mask, keyed by ``id(param)``.
+
+    Keyed by identity so a tied head finds the mask registered beside the embedding weight.
+    """
+    named = dict(model.named_parameters(remove_duplicate=False))
+    kept: dict[int, int] = {}
+    for name, value in sparsity.items():
+        if name not in named:
+            raise ValueError(
+                f"sparsity names {name!r}, which is not a parameter of the model; use "
+                "names from model.named_parameters(), e.g. 'layers.0.fc1.weight'."
+            )
+        kept[id(named[name])] = _kept(named[name].numel(), _check_sparsity(name, value))
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            mask = getattr(module, mask_buffer_name(param_name), None)
+            if not isinstance(mask, torch.Tensor) or id(param) in kept:
+                continue
+            if mask.is_meta:
+                name = f"{module_name}.{param_name}".lstrip(".")
+                raise ValueError(
+                    f"the mask of {name!r} is on the meta device, so its nonzeros "
+                    f"cannot be counted; pass sparsity={{{name!r}: <sparsity>}}."
+                )
+            kept[id(param)] = int(torch.count_nonzero(mask))
+    return kept
+
+
+def _kind_sparsity(sparsity: float | Mapping[str, float], tied: bool) -> dict[str, float]:
+    """Per-kind sparsity from a float (block matrices only) or a validated mapping."""
+    if not isinstance(sparsity, Mapping):
+        sparsity = dict.fromkeys(_BLOCK_KINDS, sparsity)
+    unknown = set(sparsity) - set(MATRIX_KINDS)
+    if unknown:
+        raise ValueError(
+            f"unknown sparsity keys {sorted(unknown)}; the keys are matrix kinds "
+            f"{list(MATRIX_KINDS)}: rename them."
+        )
+    if tied and "head" in sparsity:
+        raise ValueError(
+            "tie_embeddings=True makes the head the embedding matrix, so it has no "
+            "own sparsity; set sparsity['embedding'] instead of sparsity['head']."
+        )
+    return {kind: _check_sparsity(kind, sparsity.get(kind, 0.0)) for kind in MATRIX_KINDS}
+
+
+def _kept(numel: int, sparsity: float) -> int:
+    """Weights a mask of ``sparsity`` keeps (design.md: ``int((1 - s) * n)``)."""
+    return int((1.0 - sparsity) * numel)
+
+
+def _check_sparsity(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
+        raise ValueError(
+            f"sparsity of {name!r} is {value!r}; sparsity is the fraction of zeros "
+            "and must lie in [0, 1): pass e.g. 0.9 to drop 90% of the weights."
+        )
+    return float(value)
+
+
+def _check_count(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name}={value!r} must be {kind}; pass the model's actual {name}.")
+    return value

@@ -1,0 +1,54 @@
+"""Zeroing pruned positions in place: the only per-step tensor work the package does.
+
+Multiplying a float tensor by a bool mask would turn NaN/inf at pruned positions into NaN, and
+``torch.where(mask, t, 0, out=t)`` runs as a slow scalar loop on CPU. Multiplying the tensor's
+*bit pattern* (an integer view of the same memory) by the mask zeroes pruned positions exactly
+(+0.0), whatever they held, at the speed of a vectorised integer multiply. Tensor subclasses
+(``DTensor``) and other dtypes use ``torch.where``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["zero_pruned_", "zero_pruned_foreach_"]
+
+_BITS = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor | None:
+    """Integer view of ``t``'s memory, or None where that is not possible."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.dtype not in _BITS:
+        return None
+    return t.detach().view(_BITS[t.dtype])
+
+
+@torch.no_grad()
+def zero_pruned_(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t[~mask] = 0`` in place (NaN/inf-safe). ``mask``: bool, ``t``'s shape (True = kept)."""
+    bits = _bits(t)
+    if bits is not None:
+        bits.mul_(mask)
+    else:
+        torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device), out=t)
+    return t
+
+
+@torch.no_grad()
+def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
+    """``zero_pruned_`` over lists, one fused ``_foreach_mul_`` where the bit views allow."""
+    if not tensors:
+        return
+    views = [_bits(t) for t in tensors]
+    if all(v is not None for v in views):
+        torch._foreach_mul_(views, list(masks))
+        return
+    for t, mask in zip(tensors, masks, strict=True):
+        zero_pruned_(t, mask)

@@ -1,0 +1,270 @@
+"""The per-step path: keeps pruned weights, gradients and optimizer state at exactly 0.
+
+One `StepHooks` per algorithm installs official PyTorch hooks only:
+
+- a post-accumulate-grad hook per sparse parameter zeroes its gradient at pruned positions as
+  backward produces it (NaN/inf too, so AMP never skips a step for a pruned entry; plain-PyTorch
+  gradient clipping sees masked gradients). On steps whose update reads the dense gradient
+  (RigL, GraNet) it leaves the gradient dense;
+- ``before_step`` (the optimizer's step pre-hook in plain PyTorch; ``on_before_optimizer_step``
+  under Lightning, which runs after the last backward) follows replaced parameters and masks,
+  updates the masks, then zeroes every gradient the hook did not mask (assigned with
+  ``p.grad = g``, written in place, or dense for the update) and, when something changed, the
+  weights and the same-shape optimizer state;
+- the step post-hook advances the algorithm's ``step`` (for the optimizer applied last) and
+  re-prunes the weights with one fused ``_foreach_mul_``, so a weight written by anything
+  (``.data`` included) is 0 after the step; optimizers whose state can become nonzero at a
+  pruned position (Adamax's ``exp_inf``, Rprop's step sizes, any unknown optimizer) get their
+  state re-pruned too.
+
+Hooks are held by `_Hook` wrappers that pickle and deep-copy as no-ops, so ``torch.save(model)``
+and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorithm.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .masking import zero_pruned_, zero_pruned_foreach_
+from .sparse_parameter import SparseParameter
+
+if TYPE_CHECKING:
+    from .algorithms.base import SparsityAlgorithm
+
+__all__ = ["StepHooks", "state_keeps_zero"]
+
+# Optimizers whose same-shape state stays exactly 0 where gradient and state are 0 (every term
+# is a multiple of the gradient or of the state): their state is re-pruned only when masks or
+# state change. Exact types only; everything else is re-pruned after every step.
+_STATE_KEEPS_ZERO = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adagrad", "Adadelta", "ASGD", "RMSprop")
+    if hasattr(torch.optim, name)
+)
+
+
+def state_keeps_zero(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` keeps same-shape state at 0 where gradient and state are 0."""
+    return type(optimizer) in _STATE_KEEPS_ZERO
+
+
+def _inert(*args: Any, **kwargs: Any) -> None:
+    """What a copied or unpickled hook does: nothing (the copy has no live algorithm)."""
+
+
+class _Hook:
+    """A hook callable that pickles and deep-copies as `_inert`."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> tuple[Callable[..., None], tuple[()]]:
+        return (_make_inert, ())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Callable[..., None]:
+        return _inert
+
+
+def _make_inert() -> Callable[..., None]:
+    return _inert
+
+
+class StepHooks:
+    """Installs and runs the per-step path of one algorithm (see the module docstring)."""
+
+    def __init__(self, algorithm: SparsityAlgorithm) -> None:
+        self.algorithm = algorithm
+        self.optimizers: list[torch.optim.Optimizer] = []  # the last one advances ``step``
+        self._handles: dict[str, RemovableHandle] = {}  # grad hooks by parameter name
+        self._root_handles: list[RemovableHandle] = []
+        self._optimizer_handles: dict[int, list[RemovableHandle]] = {}
+        self._hooked: dict[str, nn.Parameter] = {}  # the parameter object each hook is on
+        self._masks: dict[str, torch.Tensor] = {}  # the mask tensor object each name had
+        self._masked_grad: dict[str, tuple[weakref.ref, int]] = {}  # (grad, its _version)
+        self._synced: dict[int, int] = {}  # optimizer id -> mask version its state was pruned at
+        self._state_len: dict[int, int] = {}
+        self.version = 0  # bumped whenever masks, parameters or loaded state change
+
+    # ------------------------------------------------------------------ installation
+    def install(self, root: nn.Module, sps: list[SparseParameter]) -> None:
+        """Gradient hooks on ``sps`` and load hooks on ``root``."""
+        for sp in sps:
+            self._hook_param(sp)
+        if sps:
+            alg = self.algorithm
+            self._root_handles = [
+                root.register_load_state_dict_pre_hook(_Hook(alg.check_incoming_state)),
+                root.register_load_state_dict_post_hook(_Hook(self._after_load)),
+            ]
+        self.version += 1
+
+    def _hook_param(self, sp: SparseParameter) -> None:
+        old = self._handles.pop(sp.name, None)
+        if old is not None:
+            old.remove()
+        param = sp.param
+        if param.requires_grad:
+            self._handles[sp.name] = param.register_post_accumulate_grad_hook(
+                _Hook(self._grad_hook(sp))
+            )
+        self._hooked[sp.name] = param
+        self._masks[sp.name] = sp.mask
+
+    def _grad_hook(self, sp: SparseParameter) -> Callable[[torch.Tensor], None]:
+        def mask_grad(param: torch.Tensor) -> None:
+            grad = param.grad
+            if grad is None:
+                return
+            if self.algorithm.dense_grad_needed:  # keep it dense, minus non-finite pruned entries
+                zero_pruned_(grad, sp.mask | grad.isfinite())
+                return
+            zero_pruned_(grad, sp.mask)
+            self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
+
+        return mask_grad
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step pre/post hooks and a load-state hook on ``optimizer``; it now drives ``step``."""
+        self.optimizers.append(optimizer)
+        self._optimizer_handles[id(optimizer)] = [
+            optimizer.register_step_pre_hook(_Hook(self._pre_step)),
+            optimizer.register_step_post_hook(_Hook(self._post_step)),
+            optimizer.register_load_state_dict_post_hook(_Hook(self._state_loaded)),
+        ]
+        self.sync(optimizer, force=True)
+
+    def detach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Remove this algorithm's hooks from ``optimizer``."""
+        for handle in self._optimizer_handles.pop(id(optimizer), []):
+            handle.remove()
+        self.optimizers = [o for o in self.optimizers if o is not optimizer]
+        self._synced.pop(id(optimizer), None)
+        self._state_len.pop(id(optimizer), None)
+
+    def remove(self) -> None:
+        """Remove every hook (optimizers, parameters, root)."""
+        for optimizer in list(self.optimizers):
+            self.detach_optimizer(optimizer)
+        for handle in [*self._handles.values(), *self._root_handles]:
+            handle.remove()
+        self._handles, self._root_handles = {}, []
+        self._hooked, self._masks, self._masked_grad = {}, {}, {}
+
+    # ------------------------------------------------------------------ the step
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.algorithm.lightning_driven:  # Lightning calls before_step itself, later
+            self.before_step(optimizer)
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
+        masks (if ``autoupdate``), then prune gradients and, if needed, weights and state."""
+        self.rebind()
+        if self.algorithm.autoupdate:
+            self.algorithm.update(optimizer)
+        self.sync(optimizer)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.optimizers and optimizer is self.optimizers[-1]:
+            self.algorithm.step += 1
+        sps = self.params_of(optimizer)
+        if not sps:
+            return
+        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        if not state_keeps_zero(optimizer) or len(optimizer.state) != self._state_len.get(
+            id(optimizer)
+        ):
+            self._prune_state(optimizer, sps)
+
+    def params_of(self, optimizer: torch.optim.Optimizer) -> list[SparseParameter]:
+        """This algorithm's sparse parameters that ``optimizer`` steps."""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        return [sp for sp in self.algorithm.sparse_params.values() if id(sp.param) in ids]
+
+    def sync(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
+        """Zero every gradient not already masked; weights and state too if anything changed."""
+        sps = self.params_of(optimizer)
+        changed = force or self._synced.get(id(optimizer)) != self.version
+        pending = [
+            (sp, grad)
+            for sp in sps
+            if (grad := sp.param.grad) is not None and (changed or not self._masked(sp.name, grad))
+        ]
+        if pending:
+            zero_pruned_foreach_([grad for _, grad in pending], [sp.mask for sp, _ in pending])
+            for sp, grad in pending:
+                self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
+        if changed or len(optimizer.state) != self._state_len.get(id(optimizer)):
+            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+            self._prune_state(optimizer, sps)
+            self._synced[id(optimizer)] = self.version
+
+    def _masked(self, name: str, grad: torch.Tensor) -> bool:
+        """Whether ``grad`` is the gradient the hook masked, unchanged since."""
+        seen = self._masked_grad.get(name)
+        return seen is not None and seen[0]() is grad and seen[1] == grad._version
+
+    def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
+        tensors, masks = [], []
+        for sp in sps:
+            for value in optimizer.state.get(sp.param, {}).values():
+                if (
+                    torch.is_tensor(value)
+                    and value.shape == sp.param.shape
+                    and not getattr(value, "requires_dense", False)
+                ):
+                    tensors.append(value)
+                    masks.append(sp.mask)
+        zero_pruned_foreach_(tensors, masks)
+        self._state_len[id(optimizer)] = len(optimizer.state)
+
+    def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
+        self._state_len.pop(id(optimizer), None)  # pruned again before the next step
+
+    # ------------------------------------------------------------------ replaced tensors
+    def rebind(self) -> bool:
+        """Follow parameters and masks replaced since the last step (``setattr`` of a new
+        Parameter, ``load_state_dict(assign=True)``, ``to_empty``, ``.to()``); returns whether
+        anything was replaced. A mask buffer whose values were lost (``to_empty``) gets its
+        values back; one created on the meta device is built from the materialized weights."""
+        changed = False
+        for name, sp in self.algorithm.sparse_params.items():
+            param = sp.module._parameters.get(sp.param_name)
+            mask = sp.module._buffers.get(sp.mask_name)
+            if param is self._hooked.get(name) and mask is self._masks.get(name):
+                continue
+            changed = True
+            if mask is not self._masks.get(name):
+                self._restore_mask(sp, self._masks.get(name), mask)
+            self._hook_param(sp)
+            sp.prune_()
+        if changed:
+            self.version += 1
+        return changed
+
+    def _restore_mask(
+        self, sp: SparseParameter, old: torch.Tensor | None, new: torch.Tensor | None
+    ) -> None:
+        param = sp.param
+        if old is None or old.is_meta:
+            built = self.algorithm.initial_mask(sp.name, param.detach())
+            sp.register_mask(built.to(param.device))
+        elif new is None or new.is_meta or not torch.equal(old.to(new.device), new):
+            sp.register_mask(old.to(param.device))
+
+    def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
+        for name, sp in self.algorithm.sparse_params.items():
+            self._masks[name] = sp.mask  # loaded masks are the masks now (assign=True too)
+        self.rebind()
+        with torch.no_grad():
+            for sp in self.algorithm.sparse_params.values():
+                sp.prune_()
+        self.version += 1

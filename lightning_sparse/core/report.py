@@ -1,0 +1,115 @@
+"""`sparsity_report`: per-parameter shape / sparsity / nonzeros of a model, and totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .sharding import full
+from .sparse_parameter import mask_buffer_name
+
+__all__ = ["SparsityReport", "itop_rate", "overall_sparsity", "sparsity_report"]
+
+
+@dataclass(frozen=True)
+class SparsityReport:
+    """Rows per parameter (``name -> {"shape", "numel", "nonzeros", "sparsity", "masked"}``)."""
+
+    rows: dict[str, dict[str, object]] = field(default_factory=dict)
+
+    @property
+    def totals(self) -> dict[str, float]:
+        """Totals over all parameters and over masked (sparse) parameters only."""
+        numel = sum(int(r["numel"]) for r in self.rows.values())
+        nnz = sum(int(r["nonzeros"]) for r in self.rows.values())
+        masked = [r for r in self.rows.values() if r["masked"]]
+        m_numel = sum(int(r["numel"]) for r in masked)
+        m_nnz = sum(int(r["nonzeros"]) for r in masked)
+        return {
+            "params": numel,
+            "nonzeros": nnz,
+            "sparsity": 1.0 - nnz / numel if numel else 0.0,
+            "sparse_params": m_numel,
+            "sparse_nonzeros": m_nnz,
+            "sparse_sparsity": 1.0 - m_nnz / m_numel if m_numel else 0.0,
+        }
+
+    def as_dict(self) -> dict[str, object]:
+        """``{"params": rows, "totals": totals}`` (plain Python values)."""
+        return {"params": dict(self.rows), "totals": self.totals}
+
+    def __str__(self) -> str:
+        width = max([len(n) for n in self.rows] + [9])
+        lines = [f"{'parameter':<{width}}  {'shape':>16}  {'nonzeros':>10}  {'sparsity':>8}"]
+        for name, r in self.rows.items():
+            mark = "" if r["masked"] else " (dense)"
+            shape = "x".join(str(s) for s in r["shape"])  # type: ignore[union-attr]
+            lines.append(
+                f"{name:<{width}}  {shape:>16}  {r['nonzeros']:>10}  {r['sparsity']:>8.2%}{mark}"
+            )
+        t = self.totals
+        lines.append(
+            f"{'total':<{width}}  {t['params']:>16}  {t['nonzeros']:>10}  {t['sparsity']:>8.2%}"
+        )
+        lines.append(
+            f"{'total (sparse layers)':<{width}}  {t['sparse_params']:>16}  "
+            f"{t['sparse_nonzeros']:>10}  {t['sparse_sparsity']:>8.2%}"
+        )
+        return "\n".join(lines)
+
+
+@torch.no_grad()
+def sparsity_report(model: nn.Module, masked_only: bool = False) -> SparsityReport:
+    """Shape, nonzeros and sparsity of every parameter (one host sync per parameter).
+
+    Nonzeros are the mask's kept count where a ``<param>_mask`` exists, otherwise the count of
+    nonzero values.
+
+    Args:
+        model: any module, sparsified or not.
+        masked_only: list only parameters that have a mask.
+    """
+    rows: dict[str, dict[str, object]] = {}
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        module_name, _, attr = name.rpartition(".")
+        mask = modules[module_name]._buffers.get(mask_buffer_name(attr))
+        if masked_only and mask is None:
+            continue
+        nnz = int((mask if mask is not None else param).count_nonzero())
+        numel = param.numel()
+        rows[name] = {
+            "shape": tuple(param.shape),
+            "numel": numel,
+            "nonzeros": nnz,
+            "sparsity": 1.0 - nnz / numel if numel else 0.0,
+            "masked": mask is not None,
+        }
+    return SparsityReport(rows)
+
+
+def overall_sparsity(algorithm: Any) -> tuple[float, torch.Tensor]:
+    """(target, actual) over an algorithm's (or Group's) parameters, weighted by size.
+
+    Returns:
+        The target as a float and the actual sparsity as a 0-d tensor (no host sync).
+    """
+    params = algorithm.sparse_params
+    if not params:
+        return 0.0, torch.zeros(())
+    sizes = {n: sp.mask.numel() for n, sp in params.items()}
+    total = sum(sizes.values())
+    target = sum(algorithm.mask_target(n) * s for n, s in sizes.items()) / total
+    kept = torch.stack([sp.nnz for sp in params.values()]).sum()
+    return target, 1.0 - kept / total
+
+
+def itop_rate(ever_active: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Share of the weights that were ever active (Liu et al. 2021, arXiv:2102.02887), 0-d."""
+    if not ever_active:
+        return torch.zeros(())
+    ever = torch.stack([full(m.count_nonzero()) for m in ever_active.values()]).sum()
+    return ever / sum(m.numel() for m in ever_active.values())

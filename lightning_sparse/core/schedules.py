@@ -1,0 +1,522 @@
+"""Schedules: hyper-parameters as ``step -> float`` and mask-update cadences as ``step -> bool``.
+
+Everything here is host-side Python arithmetic on an ``int`` step (completed optimizer steps), so
+evaluating a schedule never creates a tensor or forces a host sync. The classes and their dict
+form (``{"type": "cosine", "init": 0.3, "half_period": 3584}``) follow Cerebras
+``cstorch.sparse`` (2.2-2.10) and fix its bugs: an unknown ``type`` names the valid ones,
+``Cycling`` state survives ``load_state_dict``, and a callable update cadence works.
+``Cubic``/``Polynomial`` (GMP and GraNet sparsity ramps) are additions.
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+import math
+import numbers
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+def _real(owner: str, name: str, value: object) -> float:
+    """Return ``value`` as a float, or raise naming ``owner``'s argument ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner} {name} must be a real number, got {value!r} ({type(value).__name__}); "
+            f"pass a float such as 0.5"
+        )
+    if not math.isfinite(value):
+        raise ValueError(f"{owner} {name} must be finite, got {value!r}; pass a finite float")
+    return float(value)
+
+
+def _int(owner: str, name: str, value: object, minimum: int) -> int:
+    """Return ``value`` if it is an int >= ``minimum``, else raise naming the argument."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner} {name} must be an int (a step count), got {value!r} "
+            f"({type(value).__name__}); pass a whole number of steps"
+        )
+    if value < minimum:
+        raise ValueError(
+            f"{owner} {name} must be >= {minimum}, got {value!r}; pass an int >= {minimum}"
+        )
+    return int(value)
+
+
+def _repr_from_init(obj: object) -> str:
+    """``Name(arg=value, ...)`` from the constructor's argument names stored on ``obj``."""
+    names = inspect.signature(type(obj).__init__).parameters
+    args = ", ".join(f"{n}={getattr(obj, n)!r}" for n in names if hasattr(obj, n))
+    return f"{type(obj).__name__}({args})"
+
+
+def _callable_name(fn: Callable[..., Any]) -> str:
+    """``module.qualname`` of ``fn``: a repr without a memory address."""
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+# --------------------------------------------------------------------------------------------
+# Hyper-parameter schedules: step -> float
+# --------------------------------------------------------------------------------------------
+
+
+class HyperParameterSchedule(ABC):
+    """A hyper-parameter (sparsity, drop fraction, ...) as a pure function of the step.
+
+    Subclasses store each constructor argument under its own name; ``__repr__`` and the dict
+    form (``make_hyperparam_schedule``) rely on that. No schedule holds state: a resumed run
+    evaluates the same function at the restored step.
+    """
+
+    @abstractmethod
+    def __call__(self, step: int) -> float:
+        """Return the value at ``step`` (completed optimizer steps)."""
+
+    def milestones(self) -> tuple[int, ...]:
+        """Steps where the value reaches a final level and an update must happen (GMP ramps)."""
+        return ()
+
+    def __repr__(self) -> str:
+        return _repr_from_init(self)
+
+
+class Constant(HyperParameterSchedule):
+    """``y(t) = value``."""
+
+    def __init__(self, value: float) -> None:
+        self.value = _real("Constant", "value", value)
+
+    def __call__(self, step: int) -> float:
+        return self.value
+
+
+class Linear(HyperParameterSchedule):
+    """``y(t) = init + slope * t`` (not clamped; algorithms clamp sparsity to [0, 1))."""
+
+    def __init__(self, init: float, slope: float) -> None:
+        init, slope = _real("Linear", "init", init), _real("Linear", "slope", slope)
+        self.init, self.slope = init, slope
+
+    def __call__(self, step: int) -> float:
+        return self.init + self.slope * step
+
+
+class Exp(HyperParameterSchedule):
+    """``y(t) = final - (final - init) * exp(gamma * t)``; approaches ``final`` when gamma < 0."""
+
+    def __init__(self, init: float, gamma: float, final: float = 1.0) -> None:
+        init, gamma = _real("Exp", "init", init), _real("Exp", "gamma", gamma)
+        self.init, self.gamma, self.final = init, gamma, _real("Exp", "final", final)
+
+    def __call__(self, step: int) -> float:
+        return self.final - (self.final - self.init) * math.exp(self.gamma * step)
+
+
+class Power(HyperParameterSchedule):
+    """``y(t) = init * beta ** t``."""
+
+    def __init__(self, init: float, beta: float) -> None:
+        init, beta = _real("Power", "init", init), _real("Power", "beta", beta)
+        self.init, self.beta = init, beta
+
+    def __call__(self, step: int) -> float:
+        return self.init * self.beta**step
+
+
+class Cosine(HyperParameterSchedule):
+    """``y(t) = o + a * cos(pi * t / half_period)``, ``o = (init + minimum) / 2``, ``a = init - o``.
+
+    ``init`` at t = 0, ``minimum`` at t = half_period, ``init`` again at 2 * half_period
+    (``half_period`` is half a cycle, not the full cycle Cerebras' docstring claims).
+    """
+
+    def __init__(self, init: float, half_period: float, minimum: float = 0.0) -> None:
+        init, minimum = _real("Cosine", "init", init), _real("Cosine", "minimum", minimum)
+        half_period = _real("Cosine", "half_period", half_period)
+        if half_period <= 0:
+            raise ValueError(
+                f"Cosine half_period must be > 0 steps, got {half_period!r}; pass the number of "
+                f"steps from init down to minimum"
+            )
+        self.init, self.half_period, self.minimum = init, half_period, minimum
+
+    def __call__(self, step: int) -> float:
+        offset = (self.init + self.minimum) / 2
+        return offset + (self.init - offset) * math.cos(math.pi * step / self.half_period)
+
+
+class Cycling(HyperParameterSchedule):
+    """``y(t) = values[k % len(values)]``, ``k`` = mask updates before step ``t``.
+
+    A pure function once bound to the algorithm's update cadence (``bind``; algorithms do this),
+    so nothing needs saving: paired with ``ListSchedule`` it is piecewise constant, value i
+    used from the i-th update on. Unbound, every step counts as an update.
+    """
+
+    def __init__(self, values: list[float]) -> None:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+            raise TypeError(f"Cycling values must be a list of floats, got {values!r}")
+        values = [_real("Cycling", f"values[{i}]", v) for i, v in enumerate(values)]
+        if not values:
+            raise ValueError("Cycling values must be non-empty, got []; pass at least one value")
+        self.values = values
+        self._cadence: UpdateSchedule | None = None
+        self._count_zero = True
+
+    def bind(self, cadence: UpdateSchedule, count_zero: bool = True) -> Cycling:
+        """A copy whose index counts the update steps of ``cadence`` before the step
+        (step 0 included when ``count_zero``: the initial mask is the first update)."""
+        bound = Cycling(self.values)
+        bound._cadence, bound._count_zero = cadence, count_zero
+        return bound
+
+    def __call__(self, step: int) -> float:
+        if self._cadence is None:
+            return self.values[step % len(self.values)]
+        k = self._cadence.count(step)
+        if not self._count_zero and step > 0 and self._cadence(0):
+            k -= 1
+        return self.values[k % len(self.values)]
+
+
+class Lambda(HyperParameterSchedule):
+    """``y(t) = fn(t)`` for any Python callable ``fn: int -> float``."""
+
+    def __init__(self, fn: Callable[[int], float]) -> None:
+        if not callable(fn):
+            raise TypeError(f"Lambda fn must be callable step -> float, got {fn!r}")
+        self.fn = fn
+
+    def __call__(self, step: int) -> float:
+        return float(self.fn(step))
+
+    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
+        return f"Lambda(fn={_callable_name(self.fn)})"
+
+
+class Polynomial(HyperParameterSchedule):
+    """Polynomial ramp from ``init`` (until ``begin``) to ``final`` (from ``end`` on).
+
+    ``y(t) = final + (init - final) * (1 - (t - begin) / (end - begin)) ** power`` for
+    ``begin <= t <= end``. With ``power=3`` this is the gradual-pruning ramp of "To prune, or
+    not to prune" (Zhu & Gupta, arXiv:1710.01878) also used by GraNet (Liu et al.,
+    arXiv:2106.10404): it prunes fast early, while many redundant weights remain.
+    """
+
+    def __init__(self, init: float, final: float, begin: int, end: int, power: float = 3.0) -> None:
+        owner = type(self).__name__
+        init, final = _real(owner, "init", init), _real(owner, "final", final)
+        begin, end = _int(owner, "begin", begin, 0), _int(owner, "end", end, 0)
+        power = _real(owner, "power", power)
+        if end <= begin:
+            raise ValueError(
+                f"{owner} end must be > begin, got begin={begin!r}, end={end!r}; "
+                f"pass the step where the ramp finishes"
+            )
+        if power <= 0:
+            raise ValueError(f"{owner} power must be > 0, got {power!r}")
+        self.init, self.final, self.begin, self.end, self.power = init, final, begin, end, power
+
+    def __call__(self, step: int) -> float:
+        if step <= self.begin:  # exact endpoints: no rounding through the formula
+            return self.init
+        if step >= self.end:
+            return self.final
+        progress = (step - self.begin) / (self.end - self.begin)
+        return self.final + (self.init - self.final) * (1.0 - progress) ** self.power
+
+    def milestones(self) -> tuple[int, ...]:
+        """The ramp's end: GMP/GraNet update there whatever their cadence, to reach ``final``."""
+        return (self.end,)
+
+
+class Cubic(Polynomial):
+    """``Polynomial`` with ``power=3``: the GMP / GraNet sparsity ramp (arXiv:1710.01878)."""
+
+    def __init__(self, init: float, final: float, begin: int, end: int) -> None:
+        super().__init__(init, final, begin, end, power=3.0)
+
+
+SCHEDULES: dict[str, type[HyperParameterSchedule]] = {
+    cls.__name__.lower(): cls
+    for cls in (Constant, Linear, Exp, Power, Cosine, Cycling, Lambda, Polynomial, Cubic)
+}
+"""``type`` name -> class: the explicit registry. Add yours with ``SCHEDULES["mine"] = Mine``."""
+
+
+def _from_dict(config: dict[str, Any]) -> HyperParameterSchedule:
+    kwargs = dict(config)
+    name = kwargs.pop("type", None)
+    if not isinstance(name, str):
+        raise ValueError(
+            f"schedule dict {config!r} needs a string 'type' key, e.g. "
+            f"{{'type': 'cosine', 'init': 0.3, 'half_period': 1000}}"
+        )
+    classes = SCHEDULES
+    cls = classes.get(name.lower())
+    if cls is None:
+        raise ValueError(
+            f"unknown schedule type {name!r}; valid types: {', '.join(sorted(classes))} "
+            f"(register your own with SCHEDULES['name'] = YourSchedule)"
+        )
+    signature = inspect.signature(cls)
+    try:  # check the keys first, so a bad *value* keeps its own error message
+        signature.bind(**kwargs)
+    except TypeError as err:
+        raise TypeError(
+            f"schedule type {name!r} got keys {sorted(kwargs)} ({err}); accepted keys: "
+            f"{', '.join(signature.parameters)}"
+        ) from None
+    return cls(**kwargs)
+
+
+def make_hyperparam_schedule(value: Any) -> HyperParameterSchedule:
+    """Build a schedule from any of its accepted forms.
+
+    Args:
+        value: a ``HyperParameterSchedule`` (returned as is); an int or float (``Constant``); a
+            list or tuple of numbers (``Cycling``); a dict with ``"type"`` naming a class (by
+            lower-cased name) and its constructor arguments as the other keys; or a callable
+            ``step -> float`` (``Lambda``).
+
+    Returns:
+        The schedule.
+
+    Raises:
+        ValueError: for an unsupported form, a dict without ``type``, an unknown ``type`` or an
+            out-of-range argument.
+        TypeError: for missing or unexpected dict keys, or a non-numeric argument.
+    """
+    if isinstance(value, HyperParameterSchedule):
+        return value
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return Constant(value)
+    if isinstance(value, (list, tuple)):
+        return Cycling(list(value))
+    if isinstance(value, dict):
+        return _from_dict(value)
+    if callable(value) and not isinstance(value, type):
+        return Lambda(value)
+    raise ValueError(
+        f"cannot build a hyper-parameter schedule from {value!r} ({type(value).__name__}); "
+        f"pass a number, a list of numbers, a dict with 'type', a callable step -> float, or a "
+        f"HyperParameterSchedule instance"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Update cadences: step -> bool (is this a mask-update step?)
+# --------------------------------------------------------------------------------------------
+
+
+class UpdateSchedule(ABC):
+    """When masks are recomputed: ``schedule(step)`` is True on update steps."""
+
+    @abstractmethod
+    def __call__(self, step: int) -> bool:
+        """Return whether masks are updated at ``step`` (completed optimizer steps)."""
+
+    def count(self, step: int) -> int:
+        """Number of update steps in ``[0, step)`` (the generic form walks the steps)."""
+        return sum(1 for s in range(step) if self(s))
+
+    def last(self) -> int | None:
+        """The last step that can be an update step, or ``None`` when updates never end."""
+        return None
+
+    def __repr__(self) -> str:
+        return _repr_from_init(self)
+
+
+class FreqSchedule(UpdateSchedule):
+    """Every ``freq`` steps from ``start`` up to, not including, ``stop``.
+
+    ``update(t) = t >= start and (t - start) % freq == 0 and (stop is None or t < stop)``.
+    """
+
+    def __init__(self, freq: int = 1, start: int = 0, stop: int | None = None) -> None:
+        freq = _int("FreqSchedule", "freq", freq, 1)
+        start = _int("FreqSchedule", "start", start, 0)
+        if stop is not None:
+            stop = _int("FreqSchedule", "stop", stop, 0)
+            if stop <= start:
+                raise ValueError(
+                    f"FreqSchedule stop must be > start (stop is exclusive), got start={start!r}, "
+                    f"stop={stop!r}; pass stop=None to update until the end of training"
+                )
+        self.freq, self.start, self.stop = freq, start, stop
+
+    def __call__(self, step: int) -> bool:
+        in_range = step >= self.start and (self.stop is None or step < self.stop)
+        return in_range and (step - self.start) % self.freq == 0
+
+    def count(self, step: int) -> int:
+        end = step if self.stop is None else min(step, self.stop)
+        return max(0, -(-(end - self.start) // self.freq))
+
+    def last(self) -> int | None:
+        return None if self.stop is None else self.stop - 1
+
+
+class ListSchedule(UpdateSchedule):
+    """At exactly the listed steps: ``update(t) = t in steps``."""
+
+    def __init__(self, steps: Iterable[int]) -> None:
+        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
+            raise TypeError(f"ListSchedule steps must be a list of ints, got {steps!r}")
+        checked = [_int("ListSchedule", f"steps[{i}]", s, 0) for i, s in enumerate(steps)]
+        if not checked:
+            raise ValueError("ListSchedule steps must be non-empty, got []; pass at least one step")
+        self.steps = tuple(sorted(set(checked)))
+        self._lookup = frozenset(self.steps)
+
+    def __call__(self, step: int) -> bool:
+        return step in self._lookup
+
+    def count(self, step: int) -> int:
+        return bisect.bisect_left(self.steps, step)
+
+    def last(self) -> int | None:
+        return self.steps[-1]
+
+
+class NeverSchedule(UpdateSchedule):
+    """No update step at all (``Static``)."""
+
+    def __call__(self, step: int) -> bool:
+        return False
+
+    def count(self, step: int) -> int:
+        return 0
+
+    def last(self) -> int | None:
+        return 0
+
+
+class CallableSchedule(UpdateSchedule):
+    """``update(t) = bool(fn(t))``; ``fn`` should return a Python bool (a tensor would sync)."""
+
+    def __init__(self, fn: Callable[[int], bool]) -> None:
+        if not callable(fn):
+            raise TypeError(f"CallableSchedule fn must be callable step -> bool, got {fn!r}")
+        self.fn = fn
+
+    def __call__(self, step: int) -> bool:
+        return bool(self.fn(step))
+
+    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
+        return f"CallableSchedule(fn={_callable_name(self.fn)})"
+
+
+_UPDATE_FORMS = (
+    "None (every step), an int n (every n steps), {'freq': n, 'start': a, 'stop': b}, "
+    "{'steps': [...]}, a list of ints, a callable step -> bool, or an UpdateSchedule"
+)
+
+
+def make_update_schedule(update: Any) -> UpdateSchedule:
+    """Build an update cadence from any of its accepted forms.
+
+    Args:
+        update: an ``UpdateSchedule`` (returned as is); ``None`` (every step); an int ``n``
+            (``FreqSchedule(n)``, the 2.0/2.1 ``schedule:`` form); a dict with ``freq`` and
+            optional ``start``/``stop`` (``FreqSchedule``); a dict with ``steps`` or a list/tuple
+            of ints (``ListSchedule``); or a callable ``step -> bool`` (``CallableSchedule``).
+
+    Returns:
+        The update schedule.
+
+    Raises:
+        ValueError: for an unsupported form, an unknown dict key or an out-of-range argument.
+        TypeError: for a non-integer step argument.
+    """
+    if isinstance(update, UpdateSchedule):
+        return update
+    if update is None:
+        return FreqSchedule(1)
+    if isinstance(update, numbers.Integral) and not isinstance(update, bool):
+        return FreqSchedule(update)
+    if isinstance(update, dict):
+        accepted = {"steps"} if "steps" in update else {"freq", "start", "stop"}
+        for key in update:
+            if key not in accepted:
+                raise ValueError(
+                    f"unknown update key {key!r} in {update!r}; a dict takes "
+                    f"{sorted(accepted)} (accepted forms: {_UPDATE_FORMS})"
+                )
+        if "steps" in update:
+            return ListSchedule(update["steps"])
+        if "freq" not in update:
+            raise ValueError(
+                f"update dict {update!r} needs 'freq' or 'steps'; "
+                f"write e.g. {{'freq': 100, 'stop': 3584}}"
+            )
+        return FreqSchedule(**update)
+    if isinstance(update, (list, tuple)):
+        return ListSchedule(update)
+    if callable(update) and not isinstance(update, type):
+        return CallableSchedule(update)
+    raise ValueError(
+        f"cannot build an update schedule from {update!r} ({type(update).__name__}); "
+        f"accepted forms: {_UPDATE_FORMS}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Validation over the training range
+# --------------------------------------------------------------------------------------------
+
+_MAX_CHECKED_STEPS = 20_000
+
+
+def steps_to_check(cadence: UpdateSchedule, horizon: int, extra: Iterable[int] = ()) -> list[int]:
+    """The update steps of ``cadence`` in ``[0, horizon]`` plus ``extra``, at most ~20k of them
+    (evenly thinned beyond that: schedules here are smooth, so a thinned check finds a range
+    error within one thinning interval)."""
+    stride = max(1, (horizon + 1) // _MAX_CHECKED_STEPS)
+    steps = {s for s in range(0, horizon + 1, stride) if cadence(s)}
+    steps |= {s for s in extra if 0 <= s <= horizon}
+    last = cadence.last()
+    if last is not None and last <= horizon and cadence(last):
+        steps.add(last)
+    return sorted(steps)
+
+
+def evaluate(schedule: HyperParameterSchedule, step: int, what: str) -> float:
+    """``schedule(step)`` as a finite float, or a ``ValueError`` naming ``what``, step and fix."""
+    try:
+        value = float(schedule(step))
+    except (OverflowError, ZeroDivisionError, ValueError, TypeError) as err:
+        raise ValueError(
+            f"{what} schedule {schedule!r} fails at step {step} ({type(err).__name__}: {err}); "
+            "choose parameters that stay finite over the whole run (e.g. a smaller |gamma|)"
+        ) from None
+    if not math.isfinite(value):
+        raise ValueError(
+            f"{what} schedule {schedule!r} gives {value} at step {step}; it must stay finite "
+            "over the whole run"
+        )
+    return value
+
+
+def check_sparsity_value(value: float, step: int, schedule: object, where: str = "") -> None:
+    """Raise unless a scheduled sparsity is in [0, 1): naming value, step, rule and fix."""
+    if not 0.0 <= value < 1.0:
+        suffix = f" for {where!r}" if where else ""
+        raise ValueError(
+            f"sparsity schedule {schedule!r} gives {value:g} at step {step}{suffix}; sparsity "
+            "must stay in [0, 1) over the whole run (1.0 would prune every weight): lower its "
+            "final value or end it before it leaves the range"
+        )
+
+
+def check_drop_fraction_value(value: float, step: int, schedule: object) -> None:
+    """Raise unless a scheduled drop fraction is in [0, 1]."""
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"drop_fraction schedule {schedule!r} gives {value:g} at step {step}; it is the "
+            "share of active weights replaced per update, so it must stay in [0, 1] (the RigL "
+            "paper uses 0.3 decayed by a cosine)"
+        )

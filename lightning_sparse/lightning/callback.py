@@ -1,0 +1,91 @@
+"""`SparsityCallback`: the Lightning side of an algorithm (or `Group`), and nothing else.
+
+Each hook calls the method a plain PyTorch user calls: ``setup`` -> ``apply(model)``,
+``on_fit_start`` -> ``apply(optimizer)``, ``on_before_optimizer_step`` -> ``before_step``
+(Lightning runs the optimizer's step pre-hooks before its closure, i.e. before the last backward,
+so the callback, not the pre-hook, does that work here), ``state_dict`` / ``load_state_dict`` ->
+the algorithm's. Logging happens once per ``log_every_n_steps``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+__all__ = ["SparsityCallback", "update_metrics"]
+
+
+class SparsityCallback(pl.Callback):
+    """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Sparsify the LightningModule (once) and check the schedules up to ``max_steps``.
+
+        Under ``ModelParallelStrategy`` (FSDP2) ``configure_model`` shards the parameters after
+        this hook, so sparsity is applied at fit start instead, to the sharded parameters.
+        """
+        if trainer.max_steps and trainer.max_steps > 0:
+            self.check_range(trainer.max_steps)
+        if not _shards_in_configure_model(trainer):
+            self._apply_once(pl_module)
+
+    def _apply_once(self, pl_module: pl.LightningModule) -> None:
+        if self.root is None:
+            self.apply(pl_module)
+        elif self.root is not pl_module:
+            raise RuntimeError(f"{self.name} was applied to another model; use one per Trainer")
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Make the optimizers of ``configure_optimizers`` sparse; the callback drives updates."""
+        self._apply_once(pl_module)
+        self.lightning_driven = True
+        self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
+        for stale in [o for o in self.optimizers if all(o is not t for t in trainer.optimizers)]:
+            self.detach_optimizer(stale)  # a previous fit's optimizer
+        for optimizer in trainer.optimizers:
+            if all(o is not optimizer for o in self.optimizers):
+                self.apply(optimizer)
+
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """Gradients are accumulated (and all-reduced) here: update masks, prune, then step."""
+        self.before_step(optimizer)
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        """Log target and actual sparsity, and each mask update's figures once, at the first
+        logging step after it (keep ``log_every_n_steps`` <= the update interval)."""
+        if not self.sparse_params or trainer.global_step % max(trainer.log_every_n_steps, 1):
+            return
+        target, actual = self.overall_sparsity()
+        several = sum(isinstance(c, SparsityCallback) for c in trainer.callbacks) > 1
+        prefix = f"sparsity/{self.name}" if several else "sparsity"
+        metrics = {f"{prefix}/target": target, f"{prefix}/actual": actual.float()}
+        if self.unlogged_update:
+            metrics.update({f"{prefix}/{k}": v for k, v in update_metrics(self.last_update).items()})
+            metrics[f"{prefix}/itop"] = self.itop_rate()
+            self.unlogged_update = False
+        pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+
+def update_metrics(stats: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Totals and per-parameter figures of one mask update (empty if none yet)."""
+    if not stats:
+        return {}
+    out = {
+        "dropped": torch.stack([s["dropped"] for s in stats.values()]).sum().float(),
+        "grown": torch.stack([s["grown"] for s in stats.values()]).sum().float(),
+    }
+    for name, s in stats.items():
+        out[f"layer/{name}"] = s["sparsity"].float()
+    return out
+
+
+def _shards_in_configure_model(trainer: pl.Trainer) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(trainer.strategy, ModelParallelStrategy)

@@ -1,0 +1,360 @@
+"""`SparseRunSummary`: what a run reached and what it cost, printed at the end and saved as JSON.
+
+At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
+``lightning-sparse compare``:
+
+- validation loss and perplexity (the last validation, and the curve), with the unigram
+  baseline when the data module exposes its byte corpora;
+- per-layer sparsity (`sparsity_report`);
+- training and inference FLOPs, sparse versus the same model dense (`model_flops`, Chinchilla
+  conventions, see ``flops.py``). Training FLOPs are counted step by step as ``3 x`` the forward
+  FLOPs per token of the masks in force times the tokens trained, so a schedule that changes the
+  sparsity (GraNet) is costed as it ran; algorithms that need dense weight gradients on mask
+  updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on each update step.
+
+During training it logs ``flops/train``, ``flops/train_dense`` and ``tokens`` (cumulative) at the
+trainer's logging interval. Its counters are callback state, so a resumed run continues them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
+from lightning_sparse.core.flops import FlopReport, model_flops
+from lightning_sparse.core.report import sparsity_report
+
+__all__ = ["SparseRunSummary", "attention_dims", "unigram_cross_entropy"]
+
+_COUNTERS = ("tokens", "train_flops", "dense_train_flops", "dense_grad_flops", "dense_grad_steps")
+
+
+class SparseRunSummary(pl.Callback):
+    """Prints and saves a run's validation loss, per-layer sparsity and FLOPs versus dense.
+
+    Works with any LightningModule whose training batches are token tensors [B, T + 1] (inputs
+    plus shifted targets) or tuples whose first element is one; nothing is needed from the model.
+
+    Args:
+        path: JSON file to write; default ``<trainer.log_dir>/summary.json``.
+        monitor: the logged validation loss (nats per token); ``val/ppl`` is read if logged,
+            else ``exp(loss)``.
+        seq_len: tokens per training sequence; default ``T`` of the batch shape above.
+        print_layers: print the per-layer sparsity table (the JSON always has it).
+    """
+
+    def __init__(
+        self,
+        path: str | None = None,
+        monitor: str = "val/loss",
+        seq_len: int | None = None,
+        print_layers: bool = True,
+    ) -> None:
+        self.path = path
+        self.monitor = monitor
+        self.seq_len = seq_len
+        self.print_layers = print_layers
+        self.counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self.val_curve: list[list[float]] = []
+        self.train_curve: list[list[float]] = []
+        self.wall_time = 0.0  # seconds of fit before the current process's fit started
+        self._fit_start: float | None = None
+        self._report: FlopReport | None = None
+        self._pending_sequences = 0  # sequences since the last optimizer step
+        self._step_at_batch_start = 0
+        self._world_size = 1
+        self._last_dense_grad_step = -1
+        self._hooked: set[int] = set()
+        self._warned = False
+        self._seq_len_seen: int | None = None
+        self.summary: dict[str, Any] | None = None
+        self._layers = -1
+
+    # ------------------------------------------------------------------ counting
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start = time.perf_counter()
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._world_size = trainer.world_size
+        for algorithm in algorithms_of(pl_module):
+            if id(algorithm) not in self._hooked:  # leaf algorithms, Group members included
+                algorithm.register_update_hook(self._on_mask_update)
+                self._hooked.add(id(algorithm))
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        # Charged here: forward and backward run with the masks in force now (updates come
+        # after the backward, before the optimizer step).
+        self._step_at_batch_start = trainer.global_step
+        shape = self._batch_shape(batch)
+        if shape is None:
+            return
+        sequences, seq_len = shape
+        self._seq_len_seen = seq_len
+        # The sparse layers themselves can change too (densify at a Variable SPDF switch).
+        layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
+        if self._report is None or self._report.seq_len != seq_len or layers != self._layers:
+            self._report = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+            self._layers = layers
+        tokens = sequences * seq_len * self._world_size
+        self._pending_sequences += sequences
+        self.counters["tokens"] += tokens
+        self.counters["train_flops"] += 3 * self._report.forward_flops_per_token * tokens
+        self.counters["dense_train_flops"] += (
+            3 * self._report.dense_forward_flops_per_token * tokens
+        )
+
+    def _on_mask_update(self, algorithm: SparsityAlgorithm, step: int, stats: Any) -> None:
+        # Runs inside the optimizer step, after the new masks are set: the cached report still
+        # describes the masks this step's dense gradients were computed against.
+        if getattr(algorithm, "needs_dense_grad", False) and step != self._last_dense_grad_step:
+            if self._report is not None:
+                extra = self._report.extra_dense_grad_flops(1, self._pending_sequences)
+                self.counters["dense_grad_flops"] += extra * self._world_size
+            self.counters["dense_grad_steps"] += 1
+            self._last_dense_grad_step = step
+        self._report = None  # masks changed: recount before the next batch
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        step = trainer.global_step
+        if step == self._step_at_batch_start:
+            return  # accumulating gradients: no optimizer step yet
+        self._pending_sequences = 0
+        if step % max(trainer.log_every_n_steps, 1) == 0:
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+            if isinstance(loss, Tensor):
+                self.train_curve.append([step, float(loss)])
+            pl_module.log_dict(
+                {
+                    "flops/train": self.train_flops,
+                    "flops/train_dense": self.counters["dense_train_flops"],
+                    "tokens": self.counters["tokens"],
+                },
+                on_step=True,
+                on_epoch=False,
+            )
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        loss = trainer.callback_metrics.get(self.monitor)
+        if loss is not None:
+            self.val_curve.append([trainer.global_step, float(loss)])
+
+    @property
+    def train_flops(self) -> float:
+        """Sparse training FLOPs so far, dense-gradient extras included."""
+        return self.counters["train_flops"] + self.counters["dense_grad_flops"]
+
+    def _batch_shape(self, batch: Any) -> tuple[int, int] | None:
+        """(sequences, tokens per sequence) of a batch [B, T + 1] or (batch, ...); ``None``
+        (and a warning, once) for other batches, whose tokens and FLOPs are not counted."""
+        tokens = batch[0] if isinstance(batch, list | tuple) and batch else batch
+        if isinstance(tokens, Tensor) and tokens.ndim == 2:
+            return tokens.shape[0], self.seq_len or tokens.shape[1] - 1
+        if not self._warned:
+            rank_zero_warn(
+                "SparseRunSummary counts tokens from batches shaped [B, T + 1] (or tuples whose "
+                f"first element is one), not {type(tokens).__name__}: tokens and training FLOPs "
+                "are not counted (inference FLOPs still are; set summary.seq_len for them)"
+            )
+            self._warned = True
+        return None
+
+    # ------------------------------------------------------------------ state
+    def _elapsed(self) -> float:
+        running = time.perf_counter() - self._fit_start if self._fit_start is not None else 0.0
+        return self.wall_time + running
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "counters": dict(self.counters),
+            "val_curve": [list(p) for p in self.val_curve],
+            "train_curve": [list(p) for p in self.train_curve],
+            "wall_time": self._elapsed(),
+            "last_dense_grad_step": self._last_dense_grad_step,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.counters = {**dict.fromkeys(_COUNTERS, 0), **state_dict["counters"]}
+        self.val_curve = [list(p) for p in state_dict["val_curve"]]
+        self.train_curve = [list(p) for p in state_dict["train_curve"]]
+        self.wall_time = float(state_dict["wall_time"])
+        self._last_dense_grad_step = int(state_dict.get("last_dense_grad_step", -1))
+        self._fit_start = time.perf_counter()
+
+    # ------------------------------------------------------------------ the summary
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.summary = self.build(trainer, pl_module)
+        for logger in trainer.loggers:
+            logger.log_metrics(_final_metrics(self.summary), step=trainer.global_step)
+        # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
+        path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
+        self._emit(path, self.summary)
+
+    def build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """The summary as plain Python values (what ``summary.json`` holds)."""
+        report = sparsity_report(pl_module)
+        totals = report.totals
+        seq_len = self._seq_len_seen or self.seq_len or 1
+        flops = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+        step, loss = self.val_curve[-1] if self.val_curve else (None, None)
+        ppl = trainer.callback_metrics.get("val/ppl")
+        algorithms = algorithms_of(pl_module)
+        return {
+            "steps": trainer.global_step,
+            "world_size": trainer.world_size,
+            "wall_time_s": self._elapsed(),
+            "tokens": int(self.counters["tokens"]),
+            "algorithms": sorted({type(a).__name__ for a in algorithms}) or ["dense"],
+            "val": {
+                "step": step,
+                "loss": loss,
+                "ppl": float(ppl) if ppl is not None and loss is not None else _exp(loss),
+                "unigram_loss": _unigram_of(trainer.datamodule),
+            },
+            "val_curve": self.val_curve,
+            "train_curve": self.train_curve,
+            "sparsity": {
+                "sparse_layers": totals["sparse_sparsity"],
+                "model": totals["sparsity"],
+                "params": totals["params"],
+                "nonzeros": totals["nonzeros"],
+                "layers": {n: r["sparsity"] for n, r in report.rows.items() if r["masked"]},
+            },
+            "flops": {
+                "seq_len": seq_len,
+                "train": self.train_flops,
+                "train_dense": self.counters["dense_train_flops"],
+                "dense_grad_extra": self.counters["dense_grad_flops"],
+                "dense_grad_steps": int(self.counters["dense_grad_steps"]),
+                "inference_per_token": flops.forward_flops_per_token,
+                "inference_per_token_dense": flops.dense_forward_flops_per_token,
+            },
+        }
+
+    @rank_zero_only
+    def _emit(self, path: Path, summary: dict[str, Any]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(summary, indent=1) + "\n")
+        print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {path}")
+
+
+def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
+    """The human-readable form of a `SparseRunSummary.build` result."""
+    val, sp, fl = summary["val"], summary["sparsity"], summary["flops"]
+    lines = [
+        "",
+        "=" * 30 + " lightning-sparse run summary " + "=" * 30,
+        f"steps {summary['steps']}  tokens {summary['tokens']:,}  wall time "
+        f"{summary['wall_time_s']:.0f} s  algorithms {', '.join(summary['algorithms'])}",
+    ]
+    if val["loss"] is None:
+        lines.append("validation: none ran (set trainer.val_check_interval)")
+    else:
+        baseline = val["unigram_loss"]
+        extra = f"   (unigram baseline {baseline:.4f})" if baseline is not None else ""
+        lines.append(
+            f"validation at step {val['step']}: loss {val['loss']:.4f} nats/token, "
+            f"perplexity {val['ppl']:.3f}{extra}"
+        )
+    lines.append(
+        f"sparsity: {sp['sparse_layers']:.2%} of the sparse layers ({len(sp['layers'])} tensors), "
+        f"{sp['model']:.2%} of all {sp['params']:,} parameters ({sp['nonzeros']:,} nonzero)"
+    )
+    if layers and sp["layers"]:
+        width = max(len(n) for n in sp["layers"])
+        lines += [f"  {name:<{width}}  {s:7.2%}" for name, s in sp["layers"].items()]
+    train, dense_train = fl["train"], fl["train_dense"]
+    inf, inf_dense = fl["inference_per_token"], fl["inference_per_token_dense"]
+    lines.append(f"{'FLOPs':<22}{'sparse':>12}{'dense':>12}{'dense/sparse':>14}")
+    for what, sparse, dense in (
+        ("training (total)", train, dense_train),
+        ("inference (per token)", inf, inf_dense),
+    ):
+        lines.append(f"{what:<22}{sparse:>12.3e}{dense:>12.3e}{_ratio(dense, sparse):>13.2f}x")
+    if fl["dense_grad_steps"]:
+        lines.append(
+            f"  training includes {fl['dense_grad_extra']:.3e} FLOPs of dense weight gradients "
+            f"on {fl['dense_grad_steps']} mask-update steps"
+        )
+    return "\n".join(lines)
+
+
+def attention_dims(module: nn.Module) -> dict[str, int]:
+    """``n_layers``, ``d_model``, ``n_heads`` from a ``config`` attribute in ``module``'s tree.
+
+    Reads `LlamaConfig` (``n_layers``, ``dim``, ``n_heads``) and Hugging Face configs
+    (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``); empty when neither is
+    found, and `model_flops` then leaves the attention terms out.
+    """
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        for names in _CONFIG_NAMES:
+            values = [getattr(config, n, None) for n in names]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                return dict(zip(("n_layers", "d_model", "n_heads"), values, strict=True))
+    return {}
+
+
+_CONFIG_NAMES = (
+    ("n_layers", "dim", "n_heads"),  # LlamaConfig
+    ("num_hidden_layers", "hidden_size", "num_attention_heads"),  # Hugging Face
+)
+
+
+def unigram_cross_entropy(train: Tensor, val: Tensor, vocab_size: int = 256) -> float:
+    """Cross-entropy (nats/token) on ``val`` of the add-one token frequencies of ``train``.
+
+    The loss of a model that ignores context: a trained language model should be well below it.
+    """
+    counts = torch.bincount(train.long().flatten(), minlength=vocab_size).double() + 1.0
+    log_p = counts.log() - counts.sum().log()
+    val_counts = torch.bincount(val.long().flatten(), minlength=vocab_size).double()
+    return float(-(val_counts * log_p).sum() / val_counts.sum())
+
+
+def _unigram_of(datamodule: Any) -> float | None:
+    train, val = getattr(datamodule, "train_data", None), getattr(datamodule, "val_data", None)
+    if isinstance(train, Tensor) and isinstance(val, Tensor) and train.dtype == torch.uint8:
+        return unigram_cross_entropy(train, val)
+    return None
+
+
+def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    values = {
+        "summary/val_loss": summary["val"]["loss"],
+        "summary/val_ppl": summary["val"]["ppl"],
+        "summary/train_flops": summary["flops"]["train"],
+        "summary/train_flops_dense": summary["flops"]["train_dense"],
+        "summary/inference_flops_per_token": summary["flops"]["inference_per_token"],
+        "summary/sparsity": summary["sparsity"]["sparse_layers"],
+        "summary/wall_time_s": summary["wall_time_s"],
+    }
+    return {k: float(v) for k, v in values.items() if v is not None}
+
+
+def _exp(loss: float | None) -> float | None:
+    return math.exp(loss) if loss is not None else None
+
+
+def _ratio(dense: float, sparse: float) -> float:
+    return dense / sparse if sparse else float("nan")

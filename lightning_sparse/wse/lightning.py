@@ -1,0 +1,321 @@
+"""The device's Lightning glue: `WSEAccelerator` and the strategies ``"wse"`` / ``"wse_ddp"``.
+
+`WSEAccelerator`: ``Trainer(accelerator="wse")``, the emulated wafer-scale device.
+
+The device is the CPU underneath (a `CPUAccelerator` subclass: same devices, same data parallel
+backend, gloo). What it adds happens in ``setup(trainer)``, which Lightning calls from
+``strategy.setup`` after every callback's ``setup`` hook, so a sparsity callback has created its
+masks by then (``Trainer._run``: ``call._call_setup_hook`` precedes ``strategy.setup``). It
+
+1. checks the precision (the CSR kernels run float32/float64, so "32-true" and "64-true" only);
+2. installs the executor on the LightningModule (`install_executor`: every `nn.Linear` becomes a
+   `WSELinear`; masked ones run in CSR, see `executor.py`);
+3. adds a `WSEStatsMonitor` callback that closes each optimizer step's statistics and logs them.
+
+``teardown`` (end of fit/validate/predict) undoes 2 and 3. Without a sparsity callback no layer
+has a mask and training is bit-identical to ``accelerator="cpu"``. `get_device_stats` returns the
+last step's `WSEStats` figures, so Lightning's ``DeviceStatsMonitor`` logs them too.
+
+Strategies. Strategies of the emulated wafer-scale device: one system (``"wse"``) or a cluster
+(``"wse_ddp"``).
+
+Both are ordinary Lightning strategies whose accelerator is always a `WSEAccelerator` (which does
+the device's work, see `accelerator.py`); they add what a user of the device should not have to
+remember:
+
+- ``strategy="wse"`` / ``"wse_ddp"`` alone select the device (``accelerator="auto"`` or
+  ``"cpu"`` is upgraded to ``"wse"``; a GPU accelerator is an error);
+- an unsupported precision fails at ``Trainer(...)`` construction, not at fit time;
+- ``"wse_ddp"`` emulates a cluster of ``devices`` systems: data parallel over
+  ``torch.distributed`` with the gloo backend, one process per system, each holding the same
+  masks (identical by construction, see docs/design.md), so DDP's per-forward buffer broadcast is
+  off by default (``broadcast_buffers=False``).
+
+``Trainer(accelerator="wse", devices=N)`` with the default strategy works too (Lightning picks
+``SingleDeviceStrategy`` or ``"ddp"``, gloo on the CPU); the named strategies are the explicit form.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.accelerators.registry import _AcceleratorRegistry
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.types import _DEVICE
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+from lightning_sparse.wse.executor import WSEExecutor, install_executor
+from lightning_sparse.wse.kernels import PATHS
+from lightning_sparse.wse.stats import WSEStats
+
+__all__ = [
+    "SUPPORTED_PRECISIONS",
+    "WSEAccelerator",
+    "WSEDDPStrategy",
+    "WSEStatsMonitor",
+    "WSEStrategy",
+    "check_precision",
+]
+
+SUPPORTED_PRECISIONS = ("32-true", "64-true")
+
+
+def check_precision(plugin: Precision) -> None:
+    """Raise unless ``plugin`` runs float32 or float64 weights without autocast.
+
+    Raises:
+        ValueError: naming the precision, the rule and the fix.
+    """
+    precision = getattr(plugin, "precision", None)
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"accelerator='wse' does not support precision={precision!r}: its CSR kernels run "
+            f"float32/float64 weights without autocast, so use precision in "
+            f"{SUPPORTED_PRECISIONS}, or accelerator='cpu' for mixed or half precision"
+        )
+
+
+class WSEAccelerator(CPUAccelerator):
+    """The emulated wafer-scale device: masked `nn.Linear` layers execute in CSR.
+
+    Args:
+        kernel_path: `sparse_linear` path for every layer: "auto" (time the paths once per shape
+            and keep the fastest), "compiled", "torch" or "dense"; None follows the
+            ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
+        log_stats: log `WSEStats` figures (``wse/...``) through the trainer's loggers.
+    """
+
+    def __init__(self, kernel_path: str | None = None, log_stats: bool = True) -> None:
+        super().__init__()
+        if kernel_path is not None and kernel_path != "auto" and kernel_path not in PATHS:
+            raise ValueError(
+                f"kernel_path must be None, 'auto' or one of {PATHS}, got {kernel_path!r}"
+            )
+        self.kernel_path = kernel_path
+        self.log_stats = log_stats
+        self.stats = WSEStats()
+        self.executor: WSEExecutor | None = None
+        self._monitor: WSEStatsMonitor | None = None
+        self._trainer: weakref.ref[pl.Trainer] | None = None
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check the configuration, install the executor and the statistics callback."""
+        check_precision(trainer.precision_plugin)
+        if not isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy):
+            raise ValueError(
+                f"accelerator='wse' runs on one system or data parallel over several, not with "
+                f"{type(trainer.strategy).__name__}; use strategy='wse', 'wse_ddp', 'ddp' or auto"
+            )
+        self.executor = install_executor(
+            trainer.lightning_module, stats=self.stats, path=self.kernel_path
+        )
+        self._trainer = weakref.ref(trainer)
+        if not any(isinstance(c, WSEStatsMonitor) for c in trainer.callbacks):
+            self._monitor = WSEStatsMonitor(self.stats, log=self.log_stats)
+            # First, so DeviceStatsMonitor's on_train_batch_end already sees the closed step.
+            trainer.callbacks.insert(0, self._monitor)
+
+    def teardown(self) -> None:
+        """Give the model back its `nn.Linear` layers and remove the statistics callback."""
+        if self.executor is not None:
+            self.executor.remove()
+            self.executor = None
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None and self._monitor is not None:
+            trainer.callbacks = [c for c in trainer.callbacks if c is not self._monitor]
+        self._monitor, self._trainer = None, None
+
+    def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
+        """`WSEStats.as_dict`: the last optimizer step's FLOPs and rebuilds, weight memory now,
+        running totals."""
+        return self.stats.as_dict()
+
+    @staticmethod
+    def name() -> str:
+        return "wse"
+
+    @classmethod
+    def register_accelerators(cls, accelerator_registry: _AcceleratorRegistry) -> None:
+        accelerator_registry.register(
+            cls.name(), cls, description="emulated wafer-scale device (CSR kernels on the CPU)"
+        )
+
+
+class WSEStatsMonitor(pl.Callback):
+    """Closes each optimizer step's `WSEStats` window and logs it (added by `WSEAccelerator`).
+
+    Logged at Lightning's logging cadence (``log_every_n_steps``) as ``wse/<key>``: the mean per
+    step over the steps since the last log of every ``flops_*``, ``rebuilds`` and
+    ``rebuild_seconds`` figure (so a dense-gradient step is never skipped, only averaged in),
+    ``wse/dense_grad_steps`` (how many of those steps computed dense weight gradients), and the
+    weight memory now. Validation FLOPs are logged separately as ``wse/val/flops_*`` per run.
+
+    Args:
+        stats: the accelerator's statistics.
+        log: send figures to the loggers (steps are closed either way).
+    """
+
+    def __init__(self, stats: WSEStats, log: bool = True) -> None:
+        self.stats = stats
+        self.log_to_loggers = log
+        self._step = -1
+        self._window: list[dict[str, float]] = []
+        self._dense_grad_steps = 0
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        if trainer.global_step == self._step:
+            return  # mid gradient accumulation: the step goes on
+        self._step = trainer.global_step
+        figures = self.stats.end_step()
+        self._window.append(figures)
+        self._dense_grad_steps += figures["flops_dense_weight_grad"] > 0
+        if not trainer._logger_connector.should_update_logs:
+            return
+        count = len(self._window)
+        metrics = {f"wse/{k}": sum(f[k] for f in self._window) / count for k in figures}
+        metrics["wse/flops_ratio"] = (
+            metrics["wse/flops_executed"] / metrics["wse/flops_dense"]
+            if metrics["wse/flops_dense"]
+            else 1.0
+        )
+        metrics["wse/dense_grad_steps"] = float(self._dense_grad_steps)
+        metrics.update({f"wse/{k}": v for k, v in self.stats.memory_dict().items()})
+        self._window, self._dense_grad_steps = [], 0
+        self._send(trainer, metrics)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stats.evaluating = True
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stats.evaluating = False
+        figures = self.stats.end_eval()
+        if not trainer.sanity_checking:
+            self._send(trainer, {f"wse/val/{k}": v for k, v in figures.items()})
+
+    def _send(self, trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+        if not self.log_to_loggers:
+            return
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+def _as_wse(accelerator: pl.accelerators.Accelerator | None, kernel_path: str | None) -> Any:
+    if accelerator is None or isinstance(accelerator, WSEAccelerator):
+        return accelerator
+    if type(accelerator) is CPUAccelerator:
+        return WSEAccelerator(kernel_path=kernel_path)
+    raise ValueError(
+        f"the wse strategies run on accelerator='wse' (the CPU underneath), got "
+        f"{type(accelerator).__name__}; pass accelerator='wse' (or 'auto' or 'cpu')"
+    )
+
+
+class _WSEPlugins:
+    """The two plugin slots both WSE strategies guard: the accelerator is always the WSE one,
+    and only precisions the device supports are accepted."""
+
+    _kernel_path: str | None
+    _precision_plugin: Precision | None
+
+    @property
+    def accelerator(self) -> pl.accelerators.Accelerator | None:
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator: pl.accelerators.Accelerator | None) -> None:
+        self._accelerator = _as_wse(accelerator, self._kernel_path)
+
+    @property
+    def precision_plugin(self) -> Precision:
+        return self._precision_plugin if self._precision_plugin is not None else Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        if precision_plugin is not None:
+            check_precision(precision_plugin)
+        self._precision_plugin = precision_plugin
+
+
+class WSEStrategy(_WSEPlugins, SingleDeviceStrategy):
+    """One emulated wafer-scale system (``Trainer(strategy="wse")``).
+
+    Args:
+        device: the CPU device the system runs on.
+        accelerator, checkpoint_io, precision_plugin: as `SingleDeviceStrategy`.
+        kernel_path: `sparse_linear` path of the `WSEAccelerator` this strategy creates when the
+            Trainer hands it a plain CPU accelerator (see `WSEAccelerator`).
+    """
+
+    strategy_name = "wse"
+
+    def __init__(
+        self,
+        device: str = "cpu",
+        accelerator: pl.accelerators.Accelerator | None = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        kernel_path: str | None = None,
+    ) -> None:
+        self._kernel_path = kernel_path
+        super().__init__(device=device, checkpoint_io=checkpoint_io)
+        self.accelerator = accelerator
+        self.precision_plugin = precision_plugin
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="one emulated wafer-scale system"
+        )
+
+
+class WSEDDPStrategy(_WSEPlugins, DDPStrategy):
+    """A cluster of emulated wafer-scale systems (``Trainer(strategy="wse_ddp", devices=N)``).
+
+    Args:
+        kernel_path: as `WSEStrategy`.
+        broadcast_buffers: DDP's per-forward broadcast of buffers (the masks) from rank 0; off by
+            default because the masks are identical on every system by construction.
+        process_group_backend: must be "gloo" (or None, meaning gloo).
+        **kwargs: as `DDPStrategy` (``accelerator``, ``parallel_devices``, ``start_method``,
+            ``find_unused_parameters``, ...).
+
+    Raises:
+        ValueError: on a process group backend other than gloo.
+    """
+
+    strategy_name = "wse_ddp"
+
+    def __init__(
+        self,
+        kernel_path: str | None = None,
+        broadcast_buffers: bool = False,
+        process_group_backend: str | None = "gloo",
+        **kwargs: Any,
+    ) -> None:
+        if process_group_backend not in (None, "gloo"):
+            raise ValueError(
+                f"strategy='wse_ddp' communicates over gloo (the systems are CPU processes), got "
+                f"process_group_backend={process_group_backend!r}; leave it unset"
+            )
+        self._kernel_path = kernel_path
+        accelerator = kwargs.pop("accelerator", None)
+        precision_plugin = kwargs.pop("precision_plugin", None)
+        super().__init__(
+            process_group_backend="gloo", broadcast_buffers=broadcast_buffers, **kwargs
+        )
+        self.accelerator = accelerator
+        self.precision_plugin = precision_plugin
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="a cluster of emulated wafer-scale systems, data parallel over gloo",
+        )

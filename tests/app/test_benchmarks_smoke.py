@@ -1,0 +1,77 @@
+"""Smoke tests: `bench_step_cost.py --quick` and `bench_dynamic_cost.py --quick` run end to end
+and print their tables.
+
+No timing assertions: the numbers depend on the machine and its load; only the shape of the
+report is checked (every variant timed, the goal lines and verdicts printed, exit status 0).
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Per script: lines the output must contain (with what a missing one means), table rows (the text
+# before a row's first double space), markers of verdict lines and how many there are (each says
+# PASS or FAIL, not both), and text the output must not contain.
+CASES = {
+    "bench_step_cost.py": dict(
+        present={
+            "machine facts": ("torch ", "CPU "),
+            "table header": ("variant", "median ms", "ratio"),
+            "goal line": ("goal: Static / dense <= 1.03 (plain and Lightning)",),
+            "comparison line": ("WeightNormSparsifier / dense =",),
+            # every sparse variant really trained at 80% sparsity, the dense ones stayed dense
+            "sparsity check": ("static 0.800", "torch.ao 0.800", "lightning static 0.800"),
+        },
+        rows=("dense", "static", "torch.ao", "lightning dense", "lightning static"),
+        verdicts=(("Static / dense =",), 2),
+        absent=("WARNING",),
+    ),
+    "bench_dynamic_cost.py": dict(
+        present={
+            "machine facts": ("torch ", "CPU ", "load average"),
+            "update-cost row": (
+                "rigl update()",
+                "set update()",
+                "rigl compute_masks()",
+                "naive top-k",
+            ),
+            "goal line": (
+                "goal: one update() / dense step <= 0.25",
+                "goal: amortized (99 * ordinary step + update step) / 100 / dense <= 1.05",
+            ),
+            "RigL note": ("no extra backward on RigL's update steps",),
+        },
+        rows=("dense", "rigl", "set", "rigl update", "set update"),
+        verdicts=(("update / dense =", "amortized ="), 4),
+        absent=(),
+    ),
+}
+
+
+@pytest.mark.parametrize("script", list(CASES))
+def test_bench_quick_prints_the_table(script: str) -> None:
+    case = CASES[script]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,  # a guard against a hang, not a timing assertion (it takes ~10 s)
+    )
+    out = done.stdout
+    assert done.returncode == 0, f"stdout:\n{out}\nstderr:\n{done.stderr}"
+    for what, texts in case["present"].items():
+        for text in texts:
+            assert text in out, f"no {what} {text!r}:\n{out}"
+    rows = {line.split("  ")[0].strip() for line in out.splitlines()}
+    for variant in case["rows"]:
+        assert variant in rows, f"no table row for {variant!r}:\n{out}"
+    markers, count = case["verdicts"]
+    verdicts = [line for marker in markers for line in out.splitlines() if marker in line]
+    assert len(verdicts) == count and all(("PASS" in v) != ("FAIL" in v) for v in verdicts), out
+    for text in case["absent"]:
+        assert text not in out, f"unexpected {text!r}:\n{out}"

@@ -172,7 +172,7 @@ def resume_recipe(tmp_path: Path, slow: bool) -> str:
         "init_args": {"save_dir": "outputs/rigl_llama", "name": ""},
     }
     if slow:
-        trainer["plugins"] = [{"class_path": "tests.test_cli.SlowCommitCheckpointIO"}]
+        trainer["plugins"] = [{"class_path": "tests.app.test_cli.SlowCommitCheckpointIO"}]
     checkpoint, rigl = trainer["callbacks"][0]["init_args"], trainer["callbacks"][-1]["init_args"]
     rigl.update(update={"freq": 3, "stop": 36}, drop_fraction=0.3)
     checkpoint["every_n_train_steps"] = 4

@@ -30,7 +30,9 @@ class Observers:
         self.computed: OrderedDict[int, SparsityHook] = OrderedDict()
 
     @staticmethod
-    def add(registry: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]) -> RemovableHandle:
+    def add(
+        registry: OrderedDict[int, Callable[..., None]], hook: Callable[..., None]
+    ) -> RemovableHandle:
         """Register ``hook`` in ``registry``; the handle's ``remove()`` unregisters it."""
         handle = RemovableHandle(registry)
         registry[handle.id] = hook

@@ -520,3 +520,32 @@ def check_drop_fraction_value(value: float, step: int, schedule: object) -> None
             "share of active weights replaced per update, so it must stay in [0, 1] (the RigL "
             "paper uses 0.3 decayed by a cosine)"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# What algorithms accept
+# --------------------------------------------------------------------------------------------
+
+ScheduleSpec = float | list | dict | Callable[[int], float] | HyperParameterSchedule
+UpdateSpec = int | list | dict | Callable[[int], bool] | UpdateSchedule | None
+
+
+def validate_sparsity(value: object, where: str = "") -> float:
+    """One sparsity level: a real number in [0, 1), else an error naming value, rule and fix."""
+    suffix = f" for {where!r}" if where else ""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"sparsity={value!r}{suffix} must be a float in [0, 1), e.g. 0.8")
+    if not 0.0 <= float(value) < 1.0:
+        raise ValueError(
+            f"sparsity={value!r}{suffix} must be in [0, 1): it is the fraction of zeros, so 0.8 "
+            "keeps 20% of the weights"
+        )
+    return float(value)
+
+
+def bind(
+    schedule: ScheduleSpec, cadence: UpdateSchedule, count_zero: bool
+) -> HyperParameterSchedule:
+    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates."""
+    built = make_hyperparam_schedule(schedule)
+    return built.bind(cadence, count_zero) if isinstance(built, Cycling) else built

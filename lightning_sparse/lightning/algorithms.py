@@ -56,7 +56,11 @@ class Group(core.Group, SparsityCallback):
 
 
 _CALLBACKS: dict[type, type] = {
-    core.Static: Static, core.GMP: GMP, core.SET: SET, core.RigL: RigL, core.GraNet: GraNet
+    core.Static: Static,
+    core.GMP: GMP,
+    core.SET: SET,
+    core.RigL: RigL,
+    core.GraNet: GraNet,
 }
 
 

@@ -66,7 +66,9 @@ class SparsityCallback(pl.Callback):
         prefix = f"sparsity/{self.name}" if several else "sparsity"
         metrics = {f"{prefix}/target": target, f"{prefix}/actual": actual.float()}
         if self.unlogged_update:
-            metrics.update({f"{prefix}/{k}": v for k, v in update_metrics(self.last_update).items()})
+            metrics.update(
+                {f"{prefix}/{k}": v for k, v in update_metrics(self.last_update).items()}
+            )
             metrics[f"{prefix}/itop"] = self.itop_rate()
             self.unlogged_update = False
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)

@@ -66,7 +66,9 @@ sys.meta_path.insert(0, Block())
 
 def test_core_works_with_lightning_unimportable() -> None:
     """A plain PyTorch user: import the core and train a few sparse steps, Lightning blocked."""
-    code = BLOCK_LIGHTNING + """
+    code = (
+        BLOCK_LIGHTNING
+        + """
 import torch
 import lightning_sparse
 from lightning_sparse.core import RigL, configure
@@ -85,5 +87,8 @@ assert configure(0.5) is not None
 assert "lightning" not in sys.modules and "lightning_sparse.wse" not in sys.modules
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

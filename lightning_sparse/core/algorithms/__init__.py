@@ -1,7 +1,8 @@
 """Sparsity algorithms: one base, the algorithms as siblings over it, and the `Group` composite."""
 
+from ..schedules import validate_sparsity
 from .attach import algorithms_of
-from .base import DynamicSparsityAlgorithm, SparsityAlgorithm, validate_sparsity
+from .base import DynamicSparsityAlgorithm, SparsityAlgorithm
 from .gmp import GMP
 from .granet import GraNet
 from .group import Group

@@ -1,19 +1,12 @@
-"""`SparsityAlgorithm`: the one base of every algorithm; it owns masks, ``step`` and the rules.
+"""`SparsityAlgorithm`: the one base of every algorithm; it owns masks, ``step`` and the rule.
 
-Plain PyTorch, as in Cerebras' ``cstorch.sparse``::
-
-    sparsity = RigL(sparsity=0.9, update={"freq": 100})
-    model.apply(sparsity)          # same as sparsity.apply(model)
-    sparsity.apply(optimizer)      # official torch.optim step hooks; any optimizer
-
-An algorithm is its rule, ``update_mask(p, mask, sparsity) -> mask``, over this base: a sparsity
-schedule, an update cadence (Cerebras semantics: ``{"freq", "start", "stop"}`` with ``stop``
-exclusive, ``{"steps": [...]}``, a callable or ``None`` = every step; training starts sparse when
-step 0 is an update step, dense otherwise), the initial mask, the layer distribution and the
-structure (shaper). ``step`` counts completed optimizer steps; the update for step ``t`` runs after
-that step's gradients are accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1).
-The per-step path is `per_step.StepHooks`, observers `observers.Observers`, apply-time checks
-`attach.py`, checkpoint checks `checkpoint.py`.
+An algorithm is one method, ``update_mask(p, mask, sparsity) -> mask``, over this base: a
+sparsity schedule, an update cadence (Cerebras: ``{"freq", "start", "stop"}``, stop exclusive;
+``{"steps": [...]}``; a callable; ``None`` = every step; training starts sparse when step 0 is an
+update step), the initial mask, the layer distribution and the structure (shaper). ``step``
+counts completed optimizer steps; the update for step ``t`` runs after its gradients are
+accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1). Elsewhere: the per-step
+path (`per_step`), apply (`attach`), checkpoints (`checkpoint`), observers (`observers`).
 """
 
 from __future__ import annotations
@@ -37,46 +30,26 @@ from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
 from ..schedules import (
-    Cycling,
     HyperParameterSchedule,
-    UpdateSchedule,
+    ScheduleSpec,
+    UpdateSpec,
+    bind,
     check_drop_fraction_value,
     check_sparsity_value,
     evaluate,
-    make_hyperparam_schedule,
     make_update_schedule,
     steps_to_check,
+    validate_sparsity,
 )
 from ..selection import Candidate
 from ..shapers import Shaper, Unstructured
 from ..sharding import full, is_sharded, shard_like
-from . import attach, checkpoint
+from . import attach, checkpoint, mask_update
 from .registry import register_algorithm
 
-__all__ = ["ScheduleSpec", "SparsityAlgorithm", "UpdateSpec", "validate_sparsity"]
+__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
 
-ScheduleSpec = float | list | dict | Callable[[int], float] | HyperParameterSchedule
-UpdateSpec = int | list | dict | Callable[[int], bool] | UpdateSchedule | None
 _counter = itertools.count()
-
-
-def validate_sparsity(value: object, where: str = "") -> float:
-    """One sparsity level: a real number in [0, 1), else an error naming value, rule and fix."""
-    suffix = f" for {where!r}" if where else ""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"sparsity={value!r}{suffix} must be a float in [0, 1), e.g. 0.8")
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(
-            f"sparsity={value!r}{suffix} must be in [0, 1): it is the fraction of zeros, so 0.8 "
-            "keeps 20% of the weights"
-        )
-    return float(value)
-
-
-def bind(schedule: ScheduleSpec, cadence: UpdateSchedule, count_zero: bool) -> HyperParameterSchedule:
-    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates."""
-    built = make_hyperparam_schedule(schedule)
-    return built.bind(cadence, count_zero) if isinstance(built, Cycling) else built
 
 
 class SparsityAlgorithm(ABC):
@@ -141,7 +114,6 @@ class SparsityAlgorithm(ABC):
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
         self.sparse_params: OrderedDict[str, Any] = OrderedDict()  # name -> SparseParameter
-        self.frozen: set[str] = set()  # selected but requires_grad=False: the mask stays fixed
         self.ever_active: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, dict[str, torch.Tensor]] = {}
         self.unlogged_update = False
@@ -158,7 +130,7 @@ class SparsityAlgorithm(ABC):
     # ------------------------------------------------------------------ the rule (subclasses)
     @abstractmethod
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """New bool mask for ``p`` (any shape, ``.grad`` set) given its ``mask``, at ``sparsity``."""
+        """New bool mask for ``p`` (any shape, ``.grad`` set), current ``mask``, at ``sparsity``."""
 
     def milestones(self) -> tuple[int, ...]:
         """Steps that are update steps whatever the cadence (none by default)."""
@@ -182,7 +154,9 @@ class SparsityAlgorithm(ABC):
         end, a ramp's end); open-ended ones are checked up to ``max_steps`` by the Lightning
         layer, and every value is checked again when it is used."""
         last = self.update_schedule.last()
-        return last if last is not None else max((*self.milestones(), *self.sparsity.milestones(), 0))
+        return (
+            last if last is not None else max((*self.milestones(), *self.sparsity.milestones(), 0))
+        )
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -227,7 +201,9 @@ class SparsityAlgorithm(ABC):
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self.seed, 0, name, param.device)
         dense = full(param.detach())
-        mask = self.init_method(dense, self.initial_target(name), generator=generator, shaper=self.shaper)
+        mask = self.init_method(
+            dense, self.initial_target(name), generator=generator, shaper=self.shaper
+        )
         return shard_like(attach.check_mask(mask, dense, name, self.init_method), param)
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
@@ -277,15 +253,19 @@ class SparsityAlgorithm(ABC):
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Recompute the masks on update steps (once per step), before the optimizer step. In a
         plain loop that clips gradients, call it before clipping on update steps."""
-        if not self.sparse_params or not self.is_update_step() or self.last_update_step == self.step:
+        if (
+            not self.sparse_params
+            or not self.is_update_step()
+            or self.last_update_step == self.step
+        ):
             return
-        if self.check_finite and not self.grads_finite():
+        if self.check_finite and not mask_update.grads_finite(self.sparse_params):
             return  # AMP skips this step; the step counter does not advance, retry next time
         with torch.no_grad():
             targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             masks = self.compute_masks(targets)
         self.last_update_step = self.step
-        self.set_masks_(masks, targets)
+        mask_update.install_masks_(self, masks, targets)
         if optimizer is None:  # called by hand: mask the gradients for clipping now
             for opt in self.hooks.optimizers:
                 self.hooks.sync(opt)
@@ -295,38 +275,15 @@ class SparsityAlgorithm(ABC):
         gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
         masks = {}
         for name, sp in self.sparse_params.items():
-            if name in self.frozen:
-                continue
             param = p = sp.param
+            if not param.requires_grad:  # frozen (PEFT base weights): a fixed mask
+                continue
             if is_sharded(param):
                 p = full(param.detach())
                 p.grad = full(param.grad) if param.grad is not None else None
             self._current = name
             masks[name] = shard_like(self.update_mask(p, full(sp.mask), targets[name]), param)
         return masks
-
-    def set_masks_(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
-        """Install ``masks`` (name -> bool) built for ``targets``, prune, tell the observers."""
-        stats: dict[str, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            for name, mask in masks.items():
-                sp = self.sparse_params[name]
-                old = sp.mask
-                stats[name] = {
-                    "dropped": full((old & ~mask).count_nonzero()),
-                    "grown": full((mask & ~old).count_nonzero()),
-                }
-                old.copy_(mask)
-                sp.prune_()
-                if name in self.ever_active:
-                    self.ever_active[name] |= mask
-                    stats[name]["itop"] = full(self.ever_active[name].count_nonzero()) / mask.numel()
-                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
-        self.last_update, self.unlogged_update = stats, True
-        self.mask_targets.update({n: targets[n] for n in masks})
-        self.hooks.version += 1
-        self.observers.emit_sparsity(self)
-        self.observers.emit_update(self, self.step, stats)
 
     def name_of(self, p: torch.Tensor) -> str:
         """Full name of the parameter ``update_mask`` is working on."""
@@ -335,11 +292,6 @@ class SparsityAlgorithm(ABC):
     def generator(self, p: torch.Tensor) -> torch.Generator:
         """Random stream for ``p`` at this step: the same on every rank and after a resume."""
         return generator_for(self.seed, self.step, self.name_of(p), p.device)
-
-    def grads_finite(self) -> bool:
-        """Whether every sparse gradient is finite (one host sync; update steps only)."""
-        grads = [sp.param.grad for sp in self.sparse_params.values() if sp.param.grad is not None]
-        return not grads or bool(torch.stack([full(g.isfinite().all()) for g in grads]).all())
 
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was built for."""
@@ -386,7 +338,9 @@ class SparsityAlgorithm(ABC):
         """Restore ``state_dict()`` output: everything is checked before anything changes."""
         checkpoint.load_algorithm_state(self, state_dict)
 
-    def check_incoming_state(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    def check_incoming_state(
+        self, module: nn.Module, state_dict: dict, prefix: str, *args: Any
+    ) -> None:
         """Load pre-hook of the model: masks must fit; a dense checkpoint gets the masks."""
         checkpoint.check_incoming_masks(self, module, state_dict, prefix)
 

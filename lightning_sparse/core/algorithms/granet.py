@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..schedules import evaluate, steps_to_check
-from .base import ScheduleSpec, SparsityAlgorithm, bind
+from ..schedules import ScheduleSpec, bind, evaluate, steps_to_check
+from .base import SparsityAlgorithm
 from .drop_grow import dense_grad_score, shaped_drop_and_grow
 
 __all__ = ["GraNet"]
@@ -26,7 +26,9 @@ class GraNet(SparsityAlgorithm):
 
     needs_dense_grad = True
 
-    def __init__(self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any) -> None:
+    def __init__(
+        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+    ) -> None:
         super().__init__(sparsity, **kwargs)
         self.drop_fraction = bind(drop_fraction, self.update_schedule, count_zero=False)
         self.check_range(self.horizon())
@@ -40,7 +42,8 @@ class GraNet(SparsityAlgorithm):
         super().check_range(horizon)
         steps = steps_to_check(self.update_schedule, horizon, (0, *self.milestones()))
         values = [evaluate(self.sparsity, step, "sparsity") for step in steps]
-        for (s0, v0), (s1, v1) in zip(zip(steps, values), zip(steps[1:], values[1:]), strict=False):
+        for i in range(1, len(steps)):
+            (s0, v0), (s1, v1) = (steps[i - 1], values[i - 1]), (steps[i], values[i])
             if v1 < v0:
                 raise ValueError(
                     f"GraNet sparsity schedule {self.sparsity!r} decreases from {v0:g} (step {s0}) "
@@ -52,4 +55,6 @@ class GraNet(SparsityAlgorithm):
         """Prune the surplus to ``sparsity`` by ``|p|``, then drop and regrow by ``|grad|``."""
         drop = self.drop_fraction_at(self.step)
         grow = dense_grad_score(p, self.name_of(p))
-        return shaped_drop_and_grow(self.shaper, p, grow, mask, sparsity, drop, prune_to_target=True)
+        return shaped_drop_and_grow(
+            self.shaper, p, grow, mask, sparsity, drop, prune_to_target=True
+        )

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from .base import ScheduleSpec, SparsityAlgorithm, bind
+from ..schedules import ScheduleSpec, bind
+from .base import SparsityAlgorithm
 from .drop_grow import dense_grad_score, shaped_drop_and_grow
 
 __all__ = ["RigL"]
@@ -29,7 +30,9 @@ class RigL(SparsityAlgorithm):
 
     needs_dense_grad = True
 
-    def __init__(self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any) -> None:
+    def __init__(
+        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+    ) -> None:
         super().__init__(sparsity, **kwargs)
         self.drop_fraction = bind(drop_fraction, self.update_schedule, count_zero=False)
         self.check_range(self.horizon())

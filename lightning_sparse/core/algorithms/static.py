@@ -12,11 +12,11 @@ import torch
 
 from ..distributions import global_magnitude
 from ..filters import ParamFilter
-from ..schedules import NeverSchedule
+from ..schedules import NeverSchedule, validate_sparsity
 from ..selection import Candidate
 from ..shapers import Shaper
 from ..sharding import full, shard_like
-from .base import SparsityAlgorithm, validate_sparsity
+from .base import SparsityAlgorithm
 
 __all__ = ["Static"]
 

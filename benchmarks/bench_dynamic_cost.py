@@ -50,9 +50,9 @@ from _harness import (
     run_interleaved,
 )
 
+from lightning_sparse import SET, RigL
 from lightning_sparse.core.algorithms import DynamicSparsityAlgorithm
 from lightning_sparse.core.algorithms.attach import select
-from lightning_sparse import SET, RigL
 
 SPARSITY = 0.8
 DROP_FRACTION = 0.3

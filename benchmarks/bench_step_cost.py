@@ -51,8 +51,8 @@ from _harness import (
 )
 from torch import nn
 
-from lightning_sparse.core.algorithms.attach import select
 from lightning_sparse import Static
+from lightning_sparse.core.algorithms.attach import select
 from lightning_sparse.models.lit_lm import LitCausalLM
 
 SPARSITY = 0.8

@@ -65,7 +65,7 @@ _CALLBACKS: dict[type, type] = {
 
 
 def configure(config: ConfigType) -> Group | None:
-    """`lightning_sparse.core.configure` building Lightning callbacks (usable in plain loops too)."""
+    """`lightning_sparse.core.configure`, building Lightning callbacks (plain loops work too)."""
     return core.configure(config, group_class=Group, resolve=lambda cls: _CALLBACKS.get(cls, cls))
 
 

@@ -24,9 +24,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_sparse.lightning.algorithms import GMP
 from lightning_sparse.core.filters import ParamFilter
 from lightning_sparse.core.report import sparsity_report
+from lightning_sparse.lightning.algorithms import GMP
 from lightning_sparse.lightning.flop_counter import lm_flops, tokens_in_batch
 
 __all__ = ["IterativePruning", "imp_sparsity", "rewind_lr_scheduler"]

@@ -8,7 +8,6 @@ YAML (``trainer.accelerator: wse``). See docs/wse.md.
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_sparse.wse.lightning import WSEAccelerator, WSEStatsMonitor, check_precision
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.executor import (
     WSEExecutor,
@@ -25,8 +24,14 @@ from lightning_sparse.wse.kernels import (
     resolve_path,
     sparse_linear,
 )
+from lightning_sparse.wse.lightning import (
+    WSEAccelerator,
+    WSEDDPStrategy,
+    WSEStatsMonitor,
+    WSEStrategy,
+    check_precision,
+)
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
-from lightning_sparse.wse.lightning import WSEDDPStrategy, WSEStrategy
 
 if WSEAccelerator.name() not in AcceleratorRegistry:
     WSEAccelerator.register_accelerators(AcceleratorRegistry)

@@ -1,4 +1,4 @@
-"""Tests for lightning_sparse.core.flops: hand arithmetic, module walk = config, seed 004 figures."""
+"""lightning_sparse.core.flops: hand arithmetic, module walk = config, seed 004 figures."""
 
 import resource
 

@@ -26,11 +26,8 @@ from torch import nn
 from lightning_sparse import GMP, SET, GraNet, Group, RigL, SparsityAlgorithm, Static
 from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
 
-SETTINGS = settings(
-    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 N_STEPS = 6
-
 
 
 # ---------------------------------------------------------------------------- optimizers
@@ -127,7 +124,9 @@ def cases(draw: st.DrawFn) -> Case:
         c_in, c_out, k = draw(st.integers(1, 3)), draw(st.integers(2, 5)), draw(st.integers(1, 3))
         side = 5
         model = nn.Sequential(
-            nn.Conv2d(c_in, c_out, k), nn.ReLU(), nn.Flatten(),
+            nn.Conv2d(c_in, c_out, k),
+            nn.ReLU(),
+            nn.Flatten(),
             nn.Linear(c_out * (side - k + 1) ** 2, 3),
         )
 
@@ -197,11 +196,14 @@ def algo_specs(draw: st.DrawFn, name: str, param_filter: str | None) -> AlgoSpec
     init = draw(st.floats(0.0, s)) if name == "granet" else 0.0
     end = draw(st.integers(1, N_STEPS))
     schedule = {"type": "cubic", "init": init, "final": s, "begin": 0, "end": end}
+
     def on_freq_or_end(t: int) -> bool:  # GMP/GraNet also update at the ramp's end
         return t % freq == 0 or t == end
 
     if name == "gmp":
-        return AlgoSpec(GMP(schedule, update=every, **common), cubic(init, s, 0, end), on_freq_or_end)
+        return AlgoSpec(
+            GMP(schedule, update=every, **common), cubic(init, s, 0, end), on_freq_or_end
+        )
     algorithm = GraNet(schedule, update=every, drop_fraction=drop, **common)
     return AlgoSpec(algorithm, cubic(init, s, 0, end), on_freq_or_end)
 
@@ -338,8 +340,13 @@ class TiedLM(nn.Module):
         return self.lm_head(torch.relu(self.body(self.embed(idx))))
 
 
-@pytest.mark.parametrize("make", [lambda: Static(0.5, param_filter="*weight"),
-                                  lambda: RigL(0.5, update=None, param_filter="*weight")])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Static(0.5, param_filter="*weight"),
+        lambda: RigL(0.5, update=None, param_filter="*weight"),
+    ],
+)
 def test_tied_parameter_is_sparsified_once(make: Callable[[], SparsityAlgorithm]) -> None:
     torch.manual_seed(0)
     model = TiedLM()

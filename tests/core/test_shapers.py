@@ -10,7 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_sparse.core.mask_ops import topk_mask
-from lightning_sparse.core.shapers import NM, Blocks, InputGroups, OutputGroups, Shaper, Unstructured
+from lightning_sparse.core.shapers import (
+    NM,
+    Blocks,
+    InputGroups,
+    OutputGroups,
+    Shaper,
+    Unstructured,
+)
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -15,7 +15,6 @@ from lightning_sparse import Static
 from lightning_sparse.app.cli import RECIPES_DIR
 from lightning_sparse.app.cli import run as cli_run
 from lightning_sparse.data import ByteTextDataModule
-from lightning_sparse.models import LitCausalLM
 from lightning_sparse.lightning import (
     FlopCounter,
     IterativePruning,
@@ -25,6 +24,7 @@ from lightning_sparse.lightning import (
     imp_sparsity,
     rewind_lr_scheduler,
 )
+from lightning_sparse.models import LitCausalLM
 from tests.helpers import TinyLM, repeated_batch_loader, token_loader, trainer
 
 # cli.run(args) under pytest: LightningCLI notes that sys.argv holds pytest's own arguments.

@@ -55,6 +55,21 @@ class Observers:
                 for hook in self.computed.values():
                     hook(algorithm, name, actual)
 
+    @staticmethod
+    def register_update_hook(algorithm: Any, hook: UpdateHook) -> RemovableHandle:
+        """``hook(algorithm, step, stats)`` after each mask update (see `UpdateHook`)."""
+        return Observers.add(algorithm.observers.update, hook)
+
+    @staticmethod
+    def register_target_sparsity_hook(algorithm: Any, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, target: float)`` whenever masks are (re)computed."""
+        return Observers.add(algorithm.observers.target, hook)
+
+    @staticmethod
+    def register_computed_sparsity_hook(algorithm: Any, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, actual: 0-d tensor)`` whenever masks are (re)computed."""
+        return Observers.add(algorithm.observers.computed, hook)
+
     def __getstate__(self) -> dict[str, Any]:
         # User hooks are often closures; copies of an algorithm start without observers.
         return {"update": OrderedDict(), "target": OrderedDict(), "computed": OrderedDict()}

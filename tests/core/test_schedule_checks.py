@@ -105,3 +105,10 @@ def test_gmp_reaches_its_final_sparsity_whatever_the_cadence(freq: int, end: int
         assert sparsity.mask_target(name) == 0.8
         assert int(sp.mask.sum()) == int(0.2 * sp.mask.numel()), name
     assert math.isclose(sparsity.overall_sparsity()[0], 0.8)
+
+
+def test_static_itop_rate_is_its_density() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    sparsity = Static(0.75, seed=0)
+    model.apply(sparsity)
+    assert math.isclose(float(sparsity.itop_rate()), 0.25, abs_tol=1e-6)

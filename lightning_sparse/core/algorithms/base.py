@@ -20,13 +20,12 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .. import report
 from ..distributions import make_distribution
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
-from ..observers import Observers, SparsityHook, UpdateHook
+from ..observers import Observers
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
 from ..schedules import (
@@ -297,26 +296,15 @@ class SparsityAlgorithm(ABC):
         """Sparsity the current mask of ``name`` was built for."""
         return self.mask_targets[name]
 
-    def overall_sparsity(self) -> tuple[float, torch.Tensor]:
-        """(target, actual 0-d tensor) over this algorithm's parameters, weighted by size."""
-        return report.overall_sparsity(self)
-
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
         return report.itop_rate(self.ever_active)
 
-    # ------------------------------------------------------------------ observers
-    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
-        """``hook(algorithm, step, stats)`` after each mask update (see `observers.UpdateHook`)."""
-        return Observers.add(self.observers.update, hook)
-
-    def register_target_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
-        """``hook(algorithm, name, target: float)`` whenever masks are (re)computed."""
-        return Observers.add(self.observers.target, hook)
-
-    def register_computed_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
-        """``hook(algorithm, name, actual: 0-d tensor)`` whenever masks are (re)computed."""
-        return Observers.add(self.observers.computed, hook)
+    # Observers (Cerebras' sparsity hooks) and reports: shared with Group, defined once.
+    register_update_hook = Observers.register_update_hook
+    register_target_sparsity_hook = Observers.register_target_sparsity_hook
+    register_computed_sparsity_hook = Observers.register_computed_sparsity_hook
+    overall_sparsity = report.overall_sparsity
 
     # ------------------------------------------------------------------ checkpoints, removal
     def config(self) -> dict[str, str]:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 import torch
 
+from .. import report
 from ..distributions import global_magnitude
 from ..filters import ParamFilter
 from ..schedules import NeverSchedule, validate_sparsity
@@ -72,3 +73,7 @@ class Static(SparsityAlgorithm):
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Never called: a static mask never changes."""
         return mask
+
+    def itop_rate(self) -> torch.Tensor:
+        """The weights ever active are the kept ones: the density (0-d tensor)."""
+        return report.itop_rate({n: sp.mask for n, sp in self.sparse_params.items()})

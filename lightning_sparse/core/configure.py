@@ -127,14 +127,11 @@ def _is_config(value: Any) -> bool:
     )
 
 
-def _not_a_config(value: Any, path: Path | None, key: str) -> TypeError:
-    """The error for a block that is no config at all (a bare word, a bool, ...)."""
+def _not_a_config(value: Any, path: Path, key: str) -> TypeError:
+    """The error for a file whose block is no config at all (a bare word, a bool, ...)."""
+    what = {"str": "string", "bool": "boolean"}.get(type(value).__name__, type(value).__name__)
     at = f" at {key}" if key else ""
-    holds = (
-        f"sparsity config file {str(path)!r} holds{at} the {type(value).__name__} {value!r}"
-        if path is not None
-        else f"sparsity config{at} is the {type(value).__name__} {value!r}"
-    )
+    holds = f"sparsity config file {str(path)!r} holds the {what} {value!r}{at}"
     hint = ""
     if isinstance(value, str) and value.lower() in available_algorithms():
         hint = f"; for the algorithm write 'algorithm: {value}' with a 'sparsity:' level"

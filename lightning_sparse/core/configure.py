@@ -352,14 +352,18 @@ def _build(
         _balance_to_shaper(spec)
     with _at(path, key):
         _check_kwargs(cls, spec, renamed)
-    with _at(path, _culprit(spec, renamed, key)):
-        return param_filter, cls(**spec)
+    try:
+        algorithm = cls(**spec)
+    except (ValueError, TypeError):
+        with _at(path, _culprit(spec, renamed, key)):
+            raise
+    return param_filter, algorithm
 
 
 def _culprit(spec: dict[str, Any], renamed: dict[str, str], key: str) -> str:
     """The key path of the first schedule-like value that cannot be built, else ``key``.
 
-    Only used to place the error of a failed constructor: it never accepts or rejects anything.
+    Only called to place the error of a failed constructor: it never accepts or rejects anything.
     """
     for name, make in (
         ("update", make_update_schedule),

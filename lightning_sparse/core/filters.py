@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 from torch import nn
@@ -64,10 +64,13 @@ def is_dense_by_module(
 
 
 def glob_filter(patterns: str | Sequence[str]) -> ParamFilter:
-    """Filter matching full names against fnmatch globs (``*`` also matches ``.``); any-match."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    compiled = [re.compile(fnmatch.translate(p)) for p in patterns]
+    """Filter matching full names against fnmatch globs (``*`` also matches ``.``); any-match.
+
+    Raises:
+        TypeError: a pattern that is not a string, naming it.
+    """
+    patterns = _pattern_list("param_filter", patterns, "a glob such as 'fc*.weight'")
+    compiled = [re.compile(fnmatch.translate(p)) for p in patterns]  # translate escapes all
 
     def matches(name: str, param: torch.Tensor) -> bool:
         return any(c.match(name) for c in compiled)
@@ -77,16 +80,45 @@ def glob_filter(patterns: str | Sequence[str]) -> ParamFilter:
 
 
 def regex_filter(patterns: str | Sequence[str]) -> ParamFilter:
-    """Filter for Cerebras 2.0/2.1 ``param_name_patterns``: ``re.search`` of any pattern."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
-    compiled = [re.compile(p) for p in patterns]
+    """Filter for Cerebras 2.0/2.1 ``param_name_patterns``: ``re.search`` of any pattern.
+
+    Raises:
+        ValueError: a pattern that is not a Python regex, naming it, the regex error and the fix.
+    """
+    patterns = _pattern_list("param_name_patterns", patterns, "a regex such as '.*fc.*weight'")
+    compiled = [_compile_regex(p) for p in patterns]
 
     def matches(name: str, param: torch.Tensor) -> bool:
         return any(c.search(name) for c in compiled)
 
     matches.__qualname__ = f"regex_filter({list(patterns)!r})"
     return matches
+
+
+def _pattern_list(key: str, patterns: object, example: str) -> list[str]:
+    """``patterns`` as a list of strings, or a TypeError naming ``key`` and the bad entry."""
+    if isinstance(patterns, Iterable) and not isinstance(patterns, bytes):
+        listed = [patterns] if isinstance(patterns, str) else list(patterns)
+        bad = [p for p in listed if not isinstance(p, str)]
+        if not bad:
+            return listed
+        raise TypeError(
+            f"{key}={patterns!r} holds {bad[0]!r} ({type(bad[0]).__name__}); every pattern must "
+            f"be a string, e.g. {example} (quote it in YAML)"
+        )
+    raise TypeError(f"{key}={patterns!r} must be {example} or a list of such strings")
+
+
+def _compile_regex(pattern: str) -> re.Pattern[str]:
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ValueError(
+            f"param_name_patterns={pattern!r} is not a valid Python regex ({err.msg} at position "
+            f"{err.pos}): param_name_patterns are Python regexes searched in the parameter name "
+            "(use '.*' not '*', and '\\.' or '\\(' for a literal dot or bracket, e.g. "
+            "'.*fc.*weight'); for globs such as '*.weight' use param_filter instead"
+        ) from err
 
 
 def make_param_filter(spec: str | Sequence[str] | ParamFilter | None) -> ParamFilter | None:

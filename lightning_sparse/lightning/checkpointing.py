@@ -4,7 +4,9 @@ A process killed while ``torch.save`` writes ``last.ckpt`` in place leaves a tru
 ``--ckpt_path last`` then fails to load. This plugin writes to a temporary file in the same
 directory, flushes it to disk, and renames it over the target with ``os.replace`` (atomic on POSIX
 and Windows within one file system): a kill at any moment leaves either the previous checkpoint or
-the new one. Use it in a recipe::
+the new one. A failed write (full disk, no permission) removes its temporary file, leaves the
+previous checkpoint intact and raises an ``OSError`` naming the checkpoint, the cause and the fix.
+Use it in a recipe::
 
     trainer:
       plugins:
@@ -13,7 +15,9 @@ the new one. Use it in a recipe::
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,10 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 __all__ = ["AtomicCheckpointIO"]
 
 _TEMP_SUFFIX = ".tmp"
+_LOW_SPACE = 1 << 20  # bytes: below this much free space a failed write is a full disk
+_EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)  # not defined on Windows
+# Messages of torch's zip writer (inline_container.cc) when the file stops taking bytes.
+_TORCH_WRITE_FAILURES = ("unexpected pos", "file write failed", "inline_container")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -40,6 +48,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
         Raises:
             TypeError: ``storage_options`` given (nothing here uses them).
+            OSError: the write or the rename failed (errno kept where known), naming ``path``,
+                the cause (no space left, permission denied, ...) and the fix; the previous
+                checkpoint at ``path`` is left as it was and no temporary file remains.
         """
         if "://" in str(path):
             super().save_checkpoint(checkpoint, path, storage_options)
@@ -50,21 +61,45 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 "call trainer.save_checkpoint without them"
             )
         target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_temporaries(target)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_temporaries(target)
+        except OSError as err:
+            raise _save_error(err, target) from err
         temporary = self.write_temporary(checkpoint, target)
-        self.commit(temporary, target)
+        try:
+            self.commit(temporary, target)
+        except OSError as err:
+            renamed = not temporary.exists()  # the rename went through; a later step failed
+            error = _save_error(err, target, renamed)
+            temporary.unlink(missing_ok=True)
+            raise error from err
 
     def write_temporary(self, checkpoint: dict[str, Any], target: Path) -> Path:
-        """Save to a new hidden file beside ``target`` and flush it to disk; return its path."""
-        fd, name = tempfile.mkstemp(
-            dir=target.parent, prefix=f".{target.name}.", suffix=_TEMP_SUFFIX
-        )
+        """Save to a new hidden file beside ``target`` and flush it to disk; return its path.
+
+        Raises:
+            OSError: the file could not be created or written, from `_save_error`; the temporary
+                file is removed.
+        """
+        try:
+            fd, name = tempfile.mkstemp(
+                dir=target.parent, prefix=f".{target.name}.", suffix=_TEMP_SUFFIX
+            )
+        except OSError as err:
+            raise _save_error(err, target) from err
         try:
             with os.fdopen(fd, "wb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+        except (OSError, RuntimeError) as err:
+            if isinstance(err, RuntimeError) and not _is_write_failure(err):
+                Path(name).unlink(missing_ok=True)
+                raise  # not about the file (e.g. a tensor that cannot be serialised)
+            error = _save_error(err, target)  # before the unlink: the partial file holds the space
+            Path(name).unlink(missing_ok=True)
+            raise error from err
         except BaseException:
             Path(name).unlink(missing_ok=True)
             raise
@@ -74,6 +109,78 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """Rename ``temporary`` over ``target`` (atomic), then persist the directory entry."""
         os.replace(temporary, target)
         _fsync_directory(target.parent)
+
+
+def _save_error(err: OSError | RuntimeError, target: Path, renamed: bool = False) -> OSError:
+    """The error for a failed checkpoint write: the path, the cause and the fix, errno kept.
+
+    The cause is "no space left on device" (``ENOSPC`` / ``EDQUOT``, or the directory's file
+    system has less than 1 MiB free), "permission denied" (``EACCES`` / ``EPERM``), "read-only
+    file system" (``EROFS``), or the original message. ``renamed``: the new file already
+    replaced ``target`` (only persisting the directory entry failed).
+    """
+    code = getattr(err, "errno", None)
+    directory = _existing_ancestor(target.parent)
+    free = _free_bytes(directory)
+    free_text = f"{free / 2**20:.1f} MiB free" if free is not None else "free space unknown"
+    inconclusive = code is None or code == errno.EIO  # torch's writer gives no errno
+    if code in (errno.ENOSPC, _EDQUOT) or (inconclusive and free is not None and free < _LOW_SPACE):
+        code = code or errno.ENOSPC
+        cause = "disk quota exceeded" if code == _EDQUOT else "no space left on device"
+        cause = f"{cause} ({free_text} in {str(directory)!r})"
+        fix = (
+            "free space there, or point ModelCheckpoint(dirpath=...) / the trainer's "
+            "default_root_dir at a disk with room"
+        )
+    elif code in (errno.EACCES, errno.EPERM) or isinstance(err, PermissionError):
+        cause = f"permission denied in {str(directory)!r}"
+        fix = (
+            "make the directory writable for this user (chmod / chown), or choose another "
+            "ModelCheckpoint(dirpath=...)"
+        )
+    elif directory.exists() and not directory.is_dir():
+        cause = f"{str(directory)!r} is a file, not a directory"
+        fix = "move it away, or choose another ModelCheckpoint(dirpath=...)"
+    elif code == errno.EROFS:
+        cause = f"{str(directory)!r} is on a read-only file system"
+        fix = "choose a ModelCheckpoint(dirpath=...) on a writable disk"
+    elif isinstance(err, RuntimeError):
+        cause = (
+            f"the write stopped short ({_first_line(err)}), which usually means no space left on "
+            f"device or a quota reached ({free_text} in {str(directory)!r} now)"
+        )
+        fix = "free space or choose another ModelCheckpoint(dirpath=...)"
+    else:
+        cause = _first_line(err)
+        fix = f"check {str(directory)!r} (disk, mount, permissions) or choose another dirpath"
+    kept = " (the previous checkpoint there is unchanged)" if target.is_file() else ""
+    if renamed:
+        kept = " (written, but its directory entry may not be on disk yet)"
+    message = f"could not save checkpoint {str(target)!r}{kept}: {cause}; {fix}"
+    return OSError(code, message) if code is not None else OSError(message)
+
+
+def _is_write_failure(err: RuntimeError) -> bool:
+    return any(part in str(err) for part in _TORCH_WRITE_FAILURES)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _existing_ancestor(directory: Path) -> Path:
+    """``directory`` or its nearest existing parent (a failed mkdir leaves it missing)."""
+    while not directory.exists() and directory.parent != directory:
+        directory = directory.parent
+    return directory
+
+
+def _free_bytes(directory: Path) -> int | None:
+    try:
+        return shutil.disk_usage(directory).free
+    except OSError:
+        return None
 
 
 def _remove_stale_temporaries(target: Path) -> None:

@@ -20,8 +20,10 @@ Paths (see `PATHS`):
 Inference (no autograd) goes through `inference_runner`: a function per layer and token count on
 pre-gathered values, which the device's executor keeps while nothing changes.
 - "auto" (default) times every available path once per (device, dtype, shape, density bucket,
-  token bucket, grad) key on synthetic data of that shape and structure, then keeps the fastest,
-  so the device is never slower than dense by more than timing noise.
+  token bucket, grad) key on synthetic data of that shape and structure, then keeps the fastest.
+  "dense" is always a candidate (training and the inference runner alike), and a sparse path
+  wins only if it beats dense by more than `AUTOTUNE_MARGIN` of dense's time, so the device is
+  never slower than dense by more than timing noise (at 50% density it usually runs dense).
 
 Force a path with the `path=` argument or the `LIGHTNING_SPARSE_WSE_PATH` environment variable
 ("auto", "compiled", "torch", "dense"); `LIGHTNING_SPARSE_WSE_COMPILE=0` (read once per process)
@@ -58,6 +60,9 @@ PATH_ENV = "LIGHTNING_SPARSE_WSE_PATH"
 """Environment variable forcing a path: "auto" (default), "compiled", "torch" or "dense"."""
 
 _AUTOTUNE_REPEATS = 5
+AUTOTUNE_MARGIN = 0.05
+"""Share of dense's time by which a sparse path must beat "dense" for "auto" to choose it: a
+sparse path within timing noise of dense is not worth its risk of being slower on the real run."""
 _AUTOTUNE_CACHE: dict[tuple, str] = {}
 
 # Native library settings (see the last section).
@@ -231,6 +236,7 @@ def resolve_path(
     key = _autotune_key(x, csr, tokens, requires_grad)
     if key not in _AUTOTUNE_CACHE:
         candidates = [p for p in PATHS if _unsupported_reason(p, x) is None]
+        # "dense" has no unsupported reason: it is always a candidate, the fallback.
         _AUTOTUNE_CACHE[key] = _autotune(candidates, x, weight, csr, key[-2], requires_grad)
     return _AUTOTUNE_CACHE[key]
 
@@ -276,7 +282,17 @@ def _autotune(
             elapsed = runs[p]()
             if repeat:  # the first round is warm-up (allocator, caches, thread pool)
                 times[p].append(elapsed)
-    return min(candidates, key=lambda p: min(times[p]))
+    return choose_path({p: min(ts) for p, ts in times.items()})
+
+
+def choose_path(best: dict[str, float], margin: float = AUTOTUNE_MARGIN) -> str:
+    """The path "auto" picks from each candidate's best measured seconds: the fastest, except
+    that "dense" (when measured) stays unless a sparse path beats it by more than ``margin``
+    of its time."""
+    fastest = min(best, key=lambda p: best[p])
+    if "dense" in best and fastest != "dense" and best[fastest] >= (1.0 - margin) * best["dense"]:
+        return "dense"
+    return fastest
 
 
 def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor) -> float:

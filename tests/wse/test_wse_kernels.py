@@ -359,6 +359,19 @@ def test_auto_falls_back_to_dense_unless_sparse_clearly_wins(
     clear_autotune_cache()
 
 
+def test_dense_path_mask_cache_survives_inference_mode_then_training() -> None:
+    """The dense path keeps its mask per structure; one made under ``inference_mode`` is not
+    reused where autograd must save it."""
+    x, weight, csr = _small_problem()
+    with torch.inference_mode():
+        sparse_linear(x, weight, csr, path="dense")
+    weight.requires_grad_()
+    sparse_linear(x, weight, csr, path="dense").sum().backward()
+    mask = csr.to_mask()
+    torch.testing.assert_close(weight.grad, (torch.ones(5, 32).t() @ x) * mask)
+    assert torch.count_nonzero(weight.grad[~mask]) == 0
+
+
 def test_choose_path_margin() -> None:
     assert kernels.choose_path({"torch": 0.96, "dense": 1.0}) == "dense"
     assert kernels.choose_path({"torch": 0.94, "dense": 1.0}) == "torch"

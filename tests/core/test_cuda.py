@@ -389,7 +389,9 @@ def _ddp_worker(rank: int, world: int, port: int, outdir: str) -> None:
         model = mlp(device)
         sparsity = RigL(SPARSITY, update={"freq": 2}, drop_fraction=0.3, seed=9)
         model.apply(sparsity)
-        net = DistributedDataParallel(model, device_ids=[rank])
+        # No buffer broadcast: each rank keeps the masks it computed (rank 0's would otherwise
+        # overwrite rank 1's at every forward and hide a divergence).
+        net = DistributedDataParallel(model, device_ids=[rank], broadcast_buffers=False)
         optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2)
         sparsity.apply(optimizer)
         g = torch.Generator().manual_seed(100 + rank)  # each rank its own data
@@ -401,7 +403,11 @@ def _ddp_worker(rank: int, world: int, port: int, outdir: str) -> None:
             train_step(net, optimizer, x, y)
         assert_pruned_state_is_zero(sparsity, optimizer, f"rank {rank}")
         torch.save(
-            {"step": sparsity.step, "masks": {n: m.cpu() for n, m in masks_of(sparsity).items()}},
+            {
+                "step": sparsity.step,
+                "masks": {n: m.cpu() for n, m in masks_of(sparsity).items()},
+                "weights": {n: p.detach().cpu() for n, p in model.named_parameters()},
+            },
             os.path.join(outdir, f"rank{rank}.pt"),
         )
     finally:
@@ -421,6 +427,8 @@ def test_ddp_nccl_ranks_make_the_same_rigl_masks(tmp_path: object) -> None:
     results = [torch.load(os.path.join(str(tmp_path), f"rank{r}.pt")) for r in range(world)]
     assert results[0]["step"] == results[1]["step"] == STEPS
     assert_same(results[0]["masks"], results[1]["masks"], "rank 0 vs rank 1 masks")
+    for name, weight in results[0]["weights"].items():  # same all-reduced gradients, same steps
+        torch.testing.assert_close(weight, results[1]["weights"][name], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- no host sync

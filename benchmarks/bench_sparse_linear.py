@@ -2,7 +2,10 @@
 
 For each weight shape and sparsity it prints dense_time / sparse_time (higher is better) for our
 native CSR kernels ("compiled"), for PyTorch's stock CSR ops on the same structure ("torch"), and
-the path "auto" picks, plus the cost of rebuilding the CSR structure after a mask change. Dense
+the path "auto" picks with its own ratio ("auto x": the device's real cost; "dense" when no sparse
+path beats dense by the autotune margin, so it should never be far below 1), plus the cost of
+rebuilding the CSR structure after a mask change. The "decode" columns do the same for one
+token without autograd (the inference runner the executor uses for batch-1 generation). Dense
 and sparse runs are interleaved in one process and summarised by their median, so a burst of
 background load hits every method, though not equally: on oversubscribed cores every multi-threaded
 kernel stalls whenever one of its threads is descheduled. The load average is printed for context.
@@ -18,6 +21,7 @@ wall-clock time: it ignores time spent descheduled, so it estimates the intrinsi
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -28,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_sparse.wse import CSRWeight, compiled_available, resolve_path, sparse_linear
+from lightning_sparse.wse.kernels import inference_runner
 
 SHAPES = ((1024, 1024), (4096, 1024))
 SPARSITIES = (0.5, 0.7, 0.8, 0.9, 0.95, 0.98)
@@ -66,6 +71,29 @@ def _interleaved_medians(
             fn()
             times[name].append(clock() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+DECODE_CALLS = 50  # one-token calls per timed sample (each is microseconds)
+
+
+def _decode_fn(
+    path: str | None, weight: torch.Tensor, mask: torch.Tensor, bias: torch.Tensor, csr: CSRWeight
+) -> Callable[[], None]:
+    """``DECODE_CALLS`` one-token forwards without autograd; `path=None` is dense `F.linear`."""
+    x1 = torch.randn(1, weight.shape[1])
+    with torch.no_grad():
+        masked, b = (weight * mask).detach(), bias.detach()
+        if path is None:
+            run = functools.partial(F.linear, weight=masked, bias=b)
+        else:
+            run = inference_runner(path, csr.gather_values(masked), csr, masked, mask, b)
+
+    def calls() -> None:
+        with torch.no_grad():
+            for _ in range(DECODE_CALLS):
+                run(x1)
+
+    return calls
 
 
 def _rebuild_ms(
@@ -116,7 +144,10 @@ def main() -> None:
     header = f"{'weight':>10} {'sparsity':>8} {'dense ms':>9} " + " ".join(
         f"{p + ' ms':>11} {p + ' x':>10}" for p in paths
     )
-    print(header + f" {'auto picks':>10} {'rebuild ms':>10}")
+    print(
+        header + f" {'auto picks':>10} {'auto x':>7} {'rebuild ms':>10}"
+        f" {'decode picks':>12} {'decode x':>8}"
+    )
     for out_features, in_features in shapes:
         x = torch.randn(args.tokens, in_features, generator=generator).requires_grad_()
         weight = torch.randn(out_features, in_features, generator=generator).requires_grad_()
@@ -125,16 +156,24 @@ def main() -> None:
         for sparsity in sparsities:
             mask = torch.rand(out_features, in_features, generator=generator) >= sparsity
             csr = CSRWeight.from_dense(weight, mask)
+            auto = resolve_path(x, weight, csr, "auto")  # autotunes now, before the timing
+            x1 = torch.randn(1, in_features)
+            decode = resolve_path(x1, weight.detach(), csr, "auto", requires_grad=False)
             fns = {"dense": _step_fn(None, x, weight, bias, csr, grad_y)}
             fns.update({p: _step_fn(p, x, weight, bias, csr, grad_y) for p in paths})
+            fns["auto"] = _step_fn(auto, x, weight, bias, csr, grad_y)
+            fns["decode dense"] = _decode_fn(None, weight, mask, bias, csr)
+            fns["decode auto"] = _decode_fn(decode, weight, mask, bias, csr)
             medians = _interleaved_medians(fns, args.repeats, clock)
             cells = " ".join(
                 f"{1e3 * medians[p]:11.2f} {medians['dense'] / medians[p]:10.2f}" for p in paths
             )
-            auto = resolve_path(x, weight, csr, "auto")
+            auto_x = medians["dense"] / medians["auto"]
+            decode_x = medians["decode dense"] / medians["decode auto"]
             print(
                 f"{out_features:>5}x{in_features:<4} {sparsity:8.0%} {1e3 * medians['dense']:9.2f}"
-                f" {cells} {auto:>10} {_rebuild_ms(weight, mask, clock):10.2f}"
+                f" {cells} {auto:>10} {auto_x:7.2f} {_rebuild_ms(weight, mask, clock):10.2f}"
+                f" {decode:>12} {decode_x:8.2f}"
             )
     print(f"load average at end {_load()}")
 

@@ -1,5 +1,6 @@
-"""Smoke tests: `bench_step_cost.py --quick` and `bench_dynamic_cost.py --quick` run end to end
-and print their tables.
+"""Smoke tests: `bench_step_cost.py --quick`, `bench_dynamic_cost.py --quick` and
+`bench_gpu_step.py --quick` run end to end and print their tables (the GPU one, on a machine
+without CUDA, only its "skipped: no CUDA" line).
 
 No timing assertions: the numbers depend on the machine and its load; only the shape of the
 report is checked (every variant timed, the goal lines and verdicts printed, exit status 0).
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,6 +51,22 @@ CASES = {
         verdicts=(("update / dense =", "amortized ="), 4),
         absent=(),
     ),
+    "bench_gpu_step.py": dict(
+        needs_cuda=True,  # without CUDA it prints only "skipped: no CUDA" and exits 0
+        present={
+            "machine facts": ("torch ", "GPU ", "date "),
+            "table header": ("variant", "median ms", "ratio"),
+            "goal line": (
+                "goal: Static / dense <= 1.02",
+                "goal: one RigL update() / dense step <= 0.25",
+                "goal: RigL amortized (99 * ordinary step + update step) / 100 / dense <= 1.02",
+            ),
+            "sparsity check": ("static 0.800", "rigl 0.800", "rigl update 0.800"),
+        },
+        rows=("dense", "static", "rigl", "rigl update"),
+        verdicts=(("Static / dense =", "rigl update / dense =", "rigl amortized ="), 3),
+        absent=(),
+    ),
 }
 
 
@@ -64,6 +82,10 @@ def test_bench_quick_prints_the_table(script: str) -> None:
     )
     out = done.stdout
     assert done.returncode == 0, f"stdout:\n{out}\nstderr:\n{done.stderr}"
+    if case.get("needs_cuda") and not torch.cuda.is_available():
+        assert out.strip().startswith("skipped: no CUDA"), out
+        assert "variant" not in out, out
+        return
     for what, texts in case["present"].items():
         for text in texts:
             assert text in out, f"no {what} {text!r}:\n{out}"

@@ -307,6 +307,78 @@ def test_auto_measures_once_and_caches_choice() -> None:
     assert autotune_choices() == choices
 
 
+def _fake_timings(
+    monkeypatch: pytest.MonkeyPatch, seconds: dict[str, float]
+) -> list[tuple[str, bool]]:
+    """Make autotuning measure ``seconds[path]`` for each path (training and inference runner
+    alike); returns the (path, requires_grad) pairs it timed."""
+    timed: list[tuple[str, bool]] = []
+
+    def time_once(path: str, *args: object) -> float:
+        timed.append((path, True))
+        return seconds[path]
+
+    def runner(path: str, *args: object) -> object:
+        def run(x: torch.Tensor) -> None:
+            return None
+
+        run.path = path  # type: ignore[attr-defined]
+        return run
+
+    def time_runner(run: object, x: torch.Tensor) -> float:
+        timed.append((run.path, False))  # type: ignore[attr-defined]
+        return seconds[run.path]  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(kernels, "_time_once", time_once)
+    monkeypatch.setattr(kernels, "inference_runner", runner)
+    monkeypatch.setattr(kernels, "_time_runner", time_runner)
+    return timed
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["training", "inference"])
+@pytest.mark.parametrize(
+    ("sparse_seconds", "expected"),
+    [(2.0, "dense"), (0.97, "dense"), (0.5, "sparse")],
+    ids=["sparse-slower", "sparse-within-margin", "sparse-clearly-faster"],
+)
+def test_auto_falls_back_to_dense_unless_sparse_clearly_wins(
+    monkeypatch: pytest.MonkeyPatch, requires_grad: bool, sparse_seconds: float, expected: str
+) -> None:
+    """50% density on a small shape: with "dense" timed at 1.0 s, a sparse path slower than it,
+    or faster by less than `AUTOTUNE_MARGIN`, loses; one clearly faster wins."""
+    clear_autotune_cache()
+    seconds = {"compiled": sparse_seconds, "torch": sparse_seconds + 0.01, "dense": 1.0}
+    timed = _fake_timings(monkeypatch, seconds)
+    weight = torch.randn(16, 12)
+    csr = CSRWeight.from_dense(weight, _mask((16, 12), 0.5, seed=3))
+    chosen = kernels.resolve_path(torch.randn(4, 12), weight, csr, "auto", requires_grad)
+    sparse = "compiled" if kernels.compiled_available() else "torch"
+    assert chosen == (sparse if expected == "sparse" else "dense")
+    assert ("dense", requires_grad) in timed, "dense was not among the measured candidates"
+    assert {p for p, _ in timed} == {p for p in kernels.PATHS if p != "compiled" or sparse == p}
+    clear_autotune_cache()
+
+
+def test_dense_path_mask_cache_survives_inference_mode_then_training() -> None:
+    """The dense path keeps its mask per structure; one made under ``inference_mode`` is not
+    reused where autograd must save it."""
+    x, weight, csr = _small_problem()
+    with torch.inference_mode():
+        sparse_linear(x, weight, csr, path="dense")
+    weight.requires_grad_()
+    sparse_linear(x, weight, csr, path="dense").sum().backward()
+    mask = csr.to_mask()
+    torch.testing.assert_close(weight.grad, (torch.ones(5, 32).t() @ x) * mask)
+    assert torch.count_nonzero(weight.grad[~mask]) == 0
+
+
+def test_choose_path_margin() -> None:
+    assert kernels.choose_path({"torch": 0.96, "dense": 1.0}) == "dense"
+    assert kernels.choose_path({"torch": 0.94, "dense": 1.0}) == "torch"
+    assert kernels.choose_path({"torch": 0.96, "dense": 1.0}, margin=0.0) == "torch"
+    assert kernels.choose_path({"compiled": 0.5, "torch": 0.4}) == "torch"  # no dense: fastest
+
+
 def test_rejects_mismatched_inputs() -> None:
     x, weight, csr = _small_problem()
     with pytest.raises(ValueError, match=r"x must be \[\.\.\., 24\]"):

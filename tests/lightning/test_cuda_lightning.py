@@ -1,0 +1,106 @@
+"""Lightning on CUDA: ``precision="16-mixed"`` (a real ``GradScaler("cuda")``) and ``"bf16-mixed"``.
+
+Each test runs on the CPU too (``DEVICES``): there fp16 goes through
+``MixedPrecision("16-mixed", "cpu")``, since Lightning has no fp16 AMP for ``accelerator="cpu"``
+(see ``test_amp.py``). The CUDA variants are marked ``cuda`` and skip without a GPU.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_sparse import SET, RigL, SparsityAlgorithm
+from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
+from tests.lightning.test_amp import (
+    TinyModule,
+    assert_module_sparse,
+    equal_dicts,
+    first_index,
+    inject_inf,
+    loader,
+)
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+class InjectingModule(TinyModule):
+    """Injects inf into ``net.0.weight``'s gradient at batch ``at``, at the first kept (or
+    pruned) position of the live mask (on whatever device the mask is)."""
+
+    def __init__(self, at: int, kept: bool) -> None:
+        super().__init__()
+        self.at, self.kept = at, kept
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.at:
+            self._handle = inject_inf(
+                self.net[0].weight, first_index(self.net[0].weight_mask, self.kept)
+            )
+        return super().training_step(batch, batch_idx)
+
+
+def fit(
+    module: TinyModule, sparsity: SparsityAlgorithm, device: str, precision: str, max_steps: int
+) -> pl.Trainer:
+    module.sparsity = sparsity
+    amp: dict[str, object] = {"precision": precision}
+    if device == "cpu" and precision == "16-mixed":
+        amp = {"plugins": [MixedPrecision("16-mixed", "cpu")]}
+    trainer = pl.Trainer(
+        accelerator="gpu" if device == "cuda" else "cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[sparsity],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **amp,
+    )
+    trainer.fit(module, loader())
+    return trainer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_lightning_amp_rigl_keeps_exact_sparsity_on_the_device(device: str, precision: str) -> None:
+    if device == "cuda" and precision == "bf16-mixed" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    module = TinyModule()
+    sparsity = RigL(sparsity=0.8, update={"freq": 2}, seed=0)
+    trainer = fit(module, sparsity, device, precision, max_steps=5)
+    assert (getattr(trainer.precision_plugin, "scaler", None) is not None) == (
+        precision == "16-mixed"
+    )
+    assert sparsity.step == 5 == trainer.global_step
+    for sp in sparsity.sparse_params.values():
+        assert sp.mask.device.type == device
+    assert_module_sparse(module, sparsity, 0.8, trainer.optimizers[0])
+    first, last = module.records[0][1], module.records[-1][1]
+    assert not equal_dicts(first, last), "RigL with freq 2 changed no mask in 5 steps"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["kept", "pruned"])
+def test_lightning_fp16_scaler_inf_gradient_on_the_device(device: str, where: str) -> None:
+    """Inf at a kept position: the scaler skips the step, and the mask update with it (the
+    callback's ``check_finite``); at a pruned position it is masked away and nothing is skipped."""
+    module = InjectingModule(at=2, kept=where == "kept")
+    sparsity = SET(sparsity=0.5, update=None, drop_fraction=0.5, seed=0)  # updates every step
+    fit(module, sparsity, device, "16-mixed", max_steps=5)
+    steps = [r[0] for r in module.records]
+    scales = [r[2] for r in module.records]
+    masks = [r[1] for r in module.records]
+    if where == "kept":
+        assert steps == [1, 2, 2, 3, 4], "the skipped batch must not advance sparsity.step"
+        assert scales[2] == scales[1] * 0.5
+        assert equal_dicts(masks[2], masks[1]), "the skipped step changed a mask"
+        assert not equal_dicts(masks[3], masks[2]), "the next clean step changed no mask"
+    else:
+        assert steps == [1, 2, 3, 4, 5]
+        assert scales[2] == scales[1]
+        assert not equal_dicts(masks[2], masks[1]), "the update of batch 2 did not run"
+    assert_module_sparse(module, sparsity, 0.5, module.trainer.optimizers[0])

@@ -132,8 +132,13 @@ def test_wandb_is_online_only_with_an_account(
 # ---------------------------------------------------------------- help and errors
 
 
-def test_help_lists_every_subcommand_on_one_line_and_no_wandb_status() -> None:
-    output = finish(lightning_sparse("--help", cwd=REPO))
+def test_help_lists_every_subcommand_on_one_line_and_no_wandb_status(tmp_path: Path) -> None:
+    no_account = {k: v for k, v in env().items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    no_account["NETRC"] = str(tmp_path / "missing")  # W&B would be offline, and says so on runs
+    command = [sys.executable, "-m", "lightning_sparse.app.cli", "--help"]
+    done = subprocess.run(command, env=no_account, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
     lines = output.splitlines()
     for name in (*cli.LIGHTNING_SUBCOMMANDS, "compare", "sweep"):
         (line,) = [i for i, line in enumerate(lines) if line.split()[:1] == [name]]
@@ -158,6 +163,14 @@ def test_abbreviated_options_are_refused(capsys: pytest.CaptureFixture) -> None:
     lines = capsys.readouterr().err.splitlines()
     assert "error: unrecognized arguments: --trainer.max_step 10" in lines
     assert len(lines) <= 4  # a one-line usage, not the ~50 lines of every option
+    for main, args in (
+        (compare.main, ["--step", "3"]),
+        (cli.main, ["sweep", "s.yaml", "--coun", "2"]),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+        assert "unrecognized arguments: --" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

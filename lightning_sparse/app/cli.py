@@ -39,7 +39,7 @@ from urllib.parse import urlparse
 
 from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -110,6 +110,8 @@ class SparseCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         _set_wandb_mode(config)
+        # config.yaml keeps the configuration as given: run again from it, it makes a new run.
+        self._config_as_given = config.clone()
         self.run_dir = plan_run_dir(config, self.subcommand, os.environ.get(RUN_ENV))
         if self.run_dir is not None:
             os.environ[RUN_ENV] = self.run_dir.to_env()  # run() restores it
@@ -127,6 +129,9 @@ class SparseCLI(LightningCLI):
             raise
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, SaveConfigCallback):
+                    callback.config = self._config_as_given
         for logger in self.trainer.loggers:
             if logger.save_dir:  # W&B looks for a git repository there and warns if it is missing
                 Path(logger.save_dir).mkdir(parents=True, exist_ok=True)

@@ -255,6 +255,9 @@ def test_each_run_has_its_own_directory_and_last_resumes_the_newest(tmp_path: Pa
     assert "lightning-sparse: this run writes to outputs/rigl_llama/version_0" in first
     assert "summary saved to outputs/rigl_llama/version_0/summary.json" in first
     assert "Total params" in first  # the model summary stays
+    saved = yaml.safe_load((root / "version_0/config.yaml").read_text())["trainer"]
+    assert saved["logger"]["init_args"]["save_dir"] == "outputs/rigl_llama"  # as given: a run
+    assert saved["callbacks"][0]["init_args"]["dirpath"] == "outputs/rigl_llama/checkpoints"
     for noise in NOISE:
         assert noise not in first, noise
 

@@ -186,9 +186,9 @@ def plan_run_dir(
     ``outputs/<recipe>/checkpoints``), or unset, move into the run directory. ``N`` is one more
     than the highest existing; with ``--ckpt_path last`` the newest ``last*.ckpt`` of the highest
     version that has one is loaded, and ``fit`` continues in that version's directory. ``None``
-    (nothing changed) without such a logger or when the
-    logger's ``version`` is set (the run directory is then the user's choice). ``worker``: a
-    DDP worker's `RUN_ENV` value, the launching process's decision.
+    (nothing changed) without such a logger or when the logger's ``version`` is set (the run
+    directory is then the user's choice). ``worker``: a DDP worker's `RUN_ENV` value, the
+    launching process's decision.
     """
     loggers = [
         (entry, cls)

@@ -55,6 +55,7 @@ def resolve_recipe(name: str) -> Path:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-sparse compare",
+        allow_abbrev=False,
         description="Train several recipes in turn; print a table and plot validation loss.",
         epilog="Arguments after `--` are passed to every run (e.g. -- --model.dim 64).",
     )

@@ -365,6 +365,7 @@ def main(args: list[str] | None = None) -> None:
         args, overrides = args[:split], args[split + 1 :]
     parser = argparse.ArgumentParser(
         prog=f"{CLI_NAME} sweep",
+        allow_abbrev=False,
         description="Run a W&B sweep config locally and offline (grid, or seeded random).",
         epilog="Arguments after -- are appended to every point's command (LightningCLI overrides).",
     )

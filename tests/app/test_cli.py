@@ -1,5 +1,6 @@
-"""The `lightning-sparse` command: argument handling, W&B mode, atomic checkpoints, resume after
-a kill (bit-identical to an uninterrupted run), DDP from the same recipe, and ``compare``.
+"""The `lightning-sparse` command: argument handling, help and short configuration errors, W&B
+mode, one directory per run, atomic checkpoints, resume after a kill (bit-identical to an
+uninterrupted run), DDP from the same recipe, and ``compare``.
 
 Subprocess runs use one thread each (``OMP_NUM_THREADS=1``), W&B offline and CSV logs.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import yaml
+from jsonargparse import Namespace
 
 from lightning_sparse.app import cli, compare
 from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
@@ -47,7 +50,8 @@ def env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
-        "PYTHONPATH": str(REPO),  # tests.test_cli.SlowCommitCheckpointIO, for the subprocesses
+        "PYTHONPATH": str(REPO),  # tests.app.test_cli.SlowCommitCheckpointIO, for subprocesses
+        "COLUMNS": "80",  # --help wraps at the terminal width
     }
 
 
@@ -125,6 +129,172 @@ def test_wandb_is_online_only_with_an_account(
     assert cli.wandb_mode() == "disabled"  # the user's choice wins
 
 
+# ---------------------------------------------------------------- help and errors
+
+
+def test_help_lists_every_subcommand_on_one_line_and_no_wandb_status(tmp_path: Path) -> None:
+    no_account = {k: v for k, v in env().items() if k not in ("WANDB_MODE", "WANDB_API_KEY")}
+    no_account["NETRC"] = str(tmp_path / "missing")  # W&B would be offline, and says so on runs
+    command = [sys.executable, "-m", "lightning_sparse.app.cli", "--help"]
+    done = subprocess.run(command, env=no_account, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    output = done.stdout + done.stderr
+    lines = output.splitlines()
+    for name in (*cli.LIGHTNING_SUBCOMMANDS, "compare", "sweep"):
+        (line,) = [i for i, line in enumerate(lines) if line.split()[:1] == [name]]
+        assert lines[line].split(maxsplit=1)[1] == cli.SUBCOMMAND_HELP[name]
+        following = "".join(lines[line + 1 : line + 2]).split()[:1]
+        assert following in ([], *([n] for n in cli.SUBCOMMAND_HELP))  # not a wrapped help
+    assert not any(line.startswith("W&B") for line in lines)
+
+
+def test_fit_help_names_the_default_recipe(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--help"])
+    assert info.value.code == 0
+    printed = capsys.readouterr().out.replace("\n", " ")
+    assert "the default recipe, recipes/rigl_llama.yaml" in printed
+
+
+def test_abbreviated_options_are_refused(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", "--trainer.max_step", "10"])
+    assert info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert "error: unrecognized arguments: --trainer.max_step 10" in lines
+    assert len(lines) <= 4  # a one-line usage, not the ~50 lines of every option
+    for main, args in (
+        (compare.main, ["--step", "3"]),
+        (cli.main, ["sweep", "s.yaml", "--coun", "2"]),
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(args)
+        assert info.value.code == 2
+        assert "unrecognized arguments: --" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "message"),
+    [
+        (
+            ["--trainer.callbacks.init_args.sparsity", "1.5"],
+            "trainer.callbacks[2].init_args.sparsity (lightning_sparse.RigL)",
+            "ValueError: sparsity=1.5 must be in [0, 1)",
+        ),
+        (
+            ["--model.dim", "30"],
+            "model.init_args.dim (lightning_sparse.models.LitCausalLM)",
+            "ValueError: dim=30 must be divisible by n_heads=4",
+        ),
+    ],
+)
+def test_configuration_errors_are_a_few_lines(
+    override: list[str], key: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *TINY, *CSV, *override])
+    lines = str(info.value.code).splitlines()
+    assert len(lines) == 3
+    assert lines[0] == f"lightning-sparse: configuration error in {key}:"
+    assert lines[1].strip().startswith(message)
+    assert cli.DEBUG_ENV in lines[2] and "--debug" in lines[2]
+    assert not list(tmp_path.glob("outputs/**/checkpoints"))
+    # The full traceback (the exception itself) behind the debug flag or variable.
+    with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
+        cli.main(["fit", *TINY, *CSV, *override, "--debug"])
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
+        cli.main(["fit", *TINY, *CSV, *override])
+
+
+def test_zero_flops_column_is_dropped_and_parameter_counts_stay() -> None:
+    table = "\n".join(
+        [
+            "  | Name  | Type   | Params | Mode  | FLOPs",
+            "--------------------------------------------",
+            "0 | model | Llama  | 29.8 K | train | 0    ",
+            "--------------------------------------------",
+            "29.8 K    Trainable params",
+            "0         Total Flops",
+        ]
+    )
+    assert cli.drop_zero_flops(table).splitlines() == [
+        "  | Name  | Type   | Params | Mode",
+        "------------------------------------",
+        "0 | model | Llama  | 29.8 K | train",
+        "------------------------------------",
+        "29.8 K    Trainable params",
+    ]
+    counted = table.replace("| 0    ", "| 1.2 K").replace("0         Total", "1.2 K     Total")
+    assert cli.drop_zero_flops(counted) == counted  # FLOPs that were counted stay
+
+
+# ---------------------------------------------------------------- one directory per run
+
+NOISE = (
+    "💡 Tip",  # Lightning's litlogger / litmodels advertisements
+    "The anonymous setting has no effect",  # W&B, for Lightning's anonymous=None
+    "isinstance(treespec, LeafSpec)",  # Lightning's pytree use on newer torch
+    "Total Flops",  # the model summary's FLOPs, 0 without example_input_array
+)
+
+
+def test_each_run_has_its_own_directory_and_last_resumes_the_newest(tmp_path: Path) -> None:
+    args = ["fit", *TINY[:-2], "--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    first = finish(lightning_sparse(*args, cwd=tmp_path))  # the default recipe: W&B, offline
+    finish(lightning_sparse(*args, cwd=tmp_path))
+    root = tmp_path / "outputs/rigl_llama"
+    runs = sorted(p.name for p in root.iterdir())
+    assert runs == ["version_0", "version_1"]
+    for run in runs:  # each with its own summary, checkpoint, config and W&B files
+        assert json.loads((root / run / "summary.json").read_text())["steps"] == 2
+        assert (root / run / "checkpoints/last.ckpt").is_file()
+        assert (root / run / "config.yaml").is_file() and (root / run / "wandb").is_dir()
+    assert "lightning-sparse: this run writes to outputs/rigl_llama/version_0" in first
+    assert "summary saved to outputs/rigl_llama/version_0/summary.json" in first
+    assert "Total params" in first  # the model summary stays
+    saved = yaml.safe_load((root / "version_0/config.yaml").read_text())["trainer"]
+    assert saved["logger"]["init_args"]["save_dir"] == "outputs/rigl_llama"  # as given: a run
+    assert saved["callbacks"][0]["init_args"]["dirpath"] == "outputs/rigl_llama/checkpoints"
+    for noise in NOISE:
+        assert noise not in first, noise
+
+    v0 = (root / "version_0/summary.json").read_text()
+    resumed = finish(
+        lightning_sparse(*args, "--trainer.max_steps", "3", "--ckpt_path", "last", cwd=tmp_path)
+    )
+    last = "outputs/rigl_llama/version_1/checkpoints/last.ckpt"
+    expected = (
+        f"lightning-sparse: resuming the latest run, outputs/rigl_llama/version_1, from {last}"
+    )
+    assert expected in resumed.splitlines()
+    assert sorted(p.name for p in root.iterdir()) == runs  # continued in place
+    assert json.loads((root / "version_1/summary.json").read_text())["steps"] == 3
+    assert (root / "version_0/summary.json").read_text() == v0  # the finished run stays
+
+
+def test_explicit_logger_version_keeps_its_directory(tmp_path: Path) -> None:
+    """The chained Variable SPDF recipes name their directories (``version: sparse``)."""
+    config = Namespace(
+        trainer=Namespace(
+            logger=Namespace(
+                class_path="lightning.pytorch.loggers.CSVLogger",
+                init_args=Namespace(save_dir=str(tmp_path), name="", version="sparse"),
+            ),
+            callbacks=[],
+        ),
+        ckpt_path=None,
+    )
+    assert cli.plan_run_dir(config) is None
+    config.trainer.logger.init_args.version = None
+    (tmp_path / "version_4").mkdir()
+    run = cli.plan_run_dir(config)
+    assert run is not None and run.path == tmp_path / "version_5"
+    assert config.trainer.logger.init_args.version == 5
+
+
 # ---------------------------------------------------------------- atomic checkpoint writes
 
 
@@ -184,7 +354,8 @@ def resume_recipe(tmp_path: Path, slow: bool) -> str:
 
 
 def load_last(run_dir: Path) -> dict[str, Any]:
-    return torch.load(run_dir / "outputs/rigl_llama/checkpoints/last.ckpt", weights_only=False)
+    path = run_dir / "outputs/rigl_llama/version_0/checkpoints/last.ckpt"  # every run: version_0
+    return torch.load(path, weights_only=False)
 
 
 def wait_for(condition: Any, process: subprocess.Popen, what: str, timeout: float = 90) -> None:
@@ -210,7 +381,7 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
         "fit", "--config", resume_recipe(tmp_path, slow=False), cwd=straight
     )
     slow = resume_recipe(tmp_path, slow=True)
-    ckpts = chain / "outputs/rigl_llama/checkpoints"
+    ckpts = chain / "outputs/rigl_llama/version_0/checkpoints"
     last = ckpts / "last.ckpt"
 
     # 1. Killed while writing its second checkpoint: last.ckpt stays the first, whole.
@@ -255,8 +426,9 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
     assert (
         a["loops"]["fit_loop"]["state_dict"] == b["loops"]["fit_loop"]["state_dict"]
     )  # data position
+    assert [p.name for p in (chain / "outputs/rigl_llama").iterdir()] == ["version_0"]
     sa, sb = (
-        json.loads(next(d.glob("outputs/rigl_llama/version_*/summary.json")).read_text())
+        json.loads((d / "outputs/rigl_llama/version_0/summary.json").read_text())
         for d in (straight, chain)
     )
     assert sa["tokens"] == sb["tokens"] and sa["flops"] == sb["flops"]  # counters survive the kills

@@ -102,8 +102,11 @@ def test_recipe_trains_tiny_and_summarises(name: str, tmp_path: Path) -> None:
     assert summary["sparsity"]["sparse_layers"] == pytest.approx(expected, abs=2e-3)
     assert flops["train"] < flops["train_dense"]
     assert flops["inference_per_token"] < flops["inference_per_token_dense"]
-    assert Path(run.trainer.checkpoint_callback.dirpath).name == "checkpoints"
-    assert Path(run.trainer.checkpoint_callback.dirpath, "last.ckpt").is_file()
+    # One directory per run: checkpoints, summary and config side by side.
+    checkpoints = Path(run.trainer.checkpoint_callback.dirpath)
+    assert checkpoints.name == "checkpoints" and checkpoints.parent.name == "version_0"
+    assert (checkpoints / "last.ckpt").is_file()
+    assert checkpoints.parent.resolve() == Path(run.trainer.log_dir).resolve()
 
 
 def test_dynamic_recipes_update_masks_when_updates_fall_in_the_run() -> None:
@@ -191,7 +194,7 @@ def test_bad_sparsity_raises_our_error_before_training(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"sparsity=1\.5 must be in \[0, 1\)") as info:
         cli.run(["fit", "--config", write(tmp_path, config), *TINY, *CSV])
     assert any("before any training step" in note for note in info.value.__notes__)
-    assert not (tmp_path / "outputs" / "rigl_llama" / "checkpoints").exists()
+    assert not list(tmp_path.glob("outputs/**/checkpoints"))
 
 
 def test_bad_modelzoo_key_raises_before_training(tmp_path: Path) -> None:

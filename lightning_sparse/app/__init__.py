@@ -1,0 +1,1 @@
+"""The `lightning-sparse` command: `cli` (LightningCLI, the entry point), `compare`, `sweep`."""

@@ -30,7 +30,9 @@ from ..sparse_parameter import SparseParameter, mask_buffer_name
 if TYPE_CHECKING:
     from .base import SparsityAlgorithm
 
-__all__ = ["algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate"]
+__all__ = [
+    "algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate",
+]
 
 log = logging.getLogger("lightning_sparse")
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
@@ -157,7 +159,10 @@ def build_masks(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> list[t
 
 
 def register(
-    algorithm: SparsityAlgorithm, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
+    algorithm: SparsityAlgorithm,
+    root: nn.Module,
+    chosen: list[Candidate],
+    masks: list[torch.Tensor],
 ) -> list[SparseParameter]:
     """Register masks and hooks for ``chosen``; on failure undo them and raise. Reversible
     (`unregister_params`) until `commit` prunes the weights."""
@@ -183,6 +188,7 @@ def commit(algorithm: SparsityAlgorithm, root: nn.Module, sps: list[SparseParame
     """Prune the registered parameters: from here ``algorithm`` owns them."""
     algorithm.root = root
     algorithm.sparse_params.update((sp.name, sp) for sp in sps)
+    algorithm.frozen = {sp.name for sp in sps if not sp.param.requires_grad}  # masks stay fixed
     with torch.no_grad():
         for sp in sps:
             sp.prune_()

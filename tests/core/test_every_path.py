@@ -738,3 +738,29 @@ def test_ranks_seeded_differently_agree_on_masks_under_torch_distributed(tmp_pat
     own = Static(0.5, seed=101)
     model.apply(own)
     assert any(not torch.equal(sp.mask, r1["masks"][n]) for n, sp in own.sparse_params.items())
+
+
+def _gmp_group() -> Group:
+    return Group({"0.*": GMP(_cubic(0.6), update={"freq": 2}), "2.*": RigL(0.6, **RIGL)})
+
+
+def test_group_rejection_restores_a_member_that_had_not_updated_yet() -> None:
+    """The first member (GMP, no update yet: its masks are for the step-0 target) must keep the
+    target its masks were built for when the second member's state is bad."""
+    _, source = _trained(_gmp_group, steps=5)
+    state = source.state_dict()
+    state["groups"][1]["step"] = "5"
+    model, target = _trained(_gmp_group, steps=1)
+    assert target[0].last_update_step == -1 and target[0].mask_target("0.weight") == 0.0
+    before = _frozen_state(model, target)
+    with pytest.raises(ValueError):
+        target.load_state_dict(state)
+    _assert_same(_frozen_state(model, target), before)
+
+
+def test_malformed_mask_targets_of_an_old_state_are_rejected_atomically() -> None:
+    model, target = _trained(lambda: RigL(0.6, **RIGL), steps=1)
+    before = _frozen_state(model, target)
+    with pytest.raises(ValueError, match="mask_targets"):
+        target.load_state_dict({"step": 7, "mask_targets": {"0.weight": "x"}})
+    _assert_same(_frozen_state(model, target), before)

@@ -194,12 +194,14 @@ def _dense_like(t: torch.Tensor) -> torch.Tensor:
 
 
 def load_state_dict_assign(run: Run, t: int) -> None:
-    """b. ``load_state_dict(sd, assign=True)`` with dense weights, then a new optimizer."""
-    if t == 2:
+    """b. ``load_state_dict(sd, assign=True)`` with dense weights, then a new optimizer: at step
+    2 with the masks in ``sd``, at step 5 without (a dense checkpoint: the masks are kept)."""
+    if t in (2, 5):
         masks = {k: v.clone() for k, v in run.model.state_dict().items() if k.endswith("_mask")}
         sd = {
             k: v if k.endswith("_mask") else _dense_like(v)
             for k, v in run.model.state_dict().items()
+            if t == 2 or not k.endswith("_mask")
         }
         run.model.load_state_dict(sd, assign=True)
         run.new_optimizer()
@@ -420,7 +422,10 @@ def test_copies_hold_masks_and_leave_the_original_run_unchanged(
         assert torch.equal(got[key], want[key]), (
             f"training the original changed after a copy: {key}"
         )
-    # The copy's hooks are inert: training it does not touch the original's algorithm.
+    # The copy's hooks are inert: loading into it and training it leave the original alone.
+    copied.load_state_dict(model.state_dict())
+    for key, value in model.state_dict().items():
+        assert torch.equal(copied.state_dict()[key], value), key
     copied(torch.randn(2, 5)).sum().backward()
     torch.optim.SGD(copied.parameters(), lr=0.1).step()
     assert algorithm.step == N_STEPS
@@ -472,9 +477,10 @@ def _frozen_model() -> nn.Sequential:
     return model
 
 
-def test_frozen_parameter_is_left_dense_by_the_default_filter() -> None:
+@pytest.mark.parametrize("grouped", [False, True])
+def test_frozen_parameter_is_left_dense_by_the_default_filter(grouped: bool) -> None:
     model = _frozen_model()
-    algorithm = RigL(0.5, update={"freq": 1})
+    algorithm: Any = Group({None: RigL(0.5, update={"freq": 1})}) if grouped else RigL(0.5)
     model.apply(algorithm)
     assert sorted(algorithm.sparse_params) == ["0.weight", "4.weight"]
     assert "weight_mask" not in model[2]._buffers

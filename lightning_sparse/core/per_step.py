@@ -16,7 +16,8 @@ One `StepHooks` per algorithm installs official PyTorch hooks only:
 - the step post-hook advances the algorithm's ``step`` (for the optimizer applied last). For
   optimizers whose update can be nonzero at a pruned position (Adamax's ``exp_inf``, Rprop's
   step sizes, any unknown optimizer) it re-prunes weights and state; the others keep exact
-  zeros where weight, gradient and state are 0.
+  zeros where weight, gradient and state are 0 (weights are re-pruned after them too while a
+  same-shape state tensor is opted out with ``requires_dense``).
 
 Gradient clipping in a plain loop: on update steps call ``sparsity.update()`` after backward and
 before ``clip_grad_norm_`` (it installs the new masks and masks the gradients, which RigL and
@@ -98,6 +99,7 @@ class StepHooks:
         self._masked_grad: dict[str, tuple[weakref.ref, int]] = {}  # (grad, its _version)
         self._synced: dict[int, int] = {}  # optimizer id -> mask version its state was pruned at
         self._state_len: dict[int, int] = {}
+        self._dense_state: set[int] = set()  # optimizers with requires_dense same-shape state
         self.version = 0  # bumped whenever masks, parameters or loaded state change
 
     # ------------------------------------------------------------------ installation
@@ -160,6 +162,7 @@ class StepHooks:
         self.optimizers = [o for o in self.optimizers if o is not optimizer]
         self._synced.pop(id(optimizer), None)
         self._state_len.pop(id(optimizer), None)
+        self._dense_state.discard(id(optimizer))
 
     def remove(self) -> None:
         """Remove every hook (optimizers, parameters, root)."""
@@ -192,7 +195,10 @@ class StepHooks:
         if not state_keeps_zero(optimizer):  # its update can be nonzero at a pruned position
             zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
             self._prune_state(optimizer, sps)
-        elif len(optimizer.state) != self._state_len.get(id(optimizer)):
+            return
+        if id(optimizer) in self._dense_state:  # opted-out (requires_dense) state moves weights
+            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        if len(optimizer.state) != self._state_len.get(id(optimizer)):
             self._prune_state(optimizer, sps)
 
     def params_of(self, optimizer: torch.optim.Optimizer) -> list[SparseParameter]:
@@ -226,18 +232,21 @@ class StepHooks:
         return seen is not None and seen[0]() is grad and seen[1] == grad._version
 
     def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
-        tensors, masks = [], []
+        tensors, masks, opted_out = [], [], False
         for sp in sps:
             for value in optimizer.state.get(sp.param, {}).values():
-                if (
-                    torch.is_tensor(value)
-                    and value.shape == sp.param.shape
-                    and not getattr(value, "requires_dense", False)
-                ):
-                    tensors.append(value)
-                    masks.append(sp.mask)
+                if torch.is_tensor(value) and value.shape == sp.param.shape:
+                    if getattr(value, "requires_dense", False):
+                        opted_out = True
+                    else:
+                        tensors.append(value)
+                        masks.append(sp.mask)
         zero_pruned_foreach_(tensors, masks)
         self._state_len[id(optimizer)] = len(optimizer.state)
+        if opted_out:
+            self._dense_state.add(id(optimizer))
+        else:
+            self._dense_state.discard(id(optimizer))
 
     def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self._state_len.pop(id(optimizer), None)  # pruned again before the next step

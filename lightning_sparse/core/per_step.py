@@ -9,13 +9,20 @@ One `StepHooks` per algorithm installs official PyTorch hooks only:
 - ``before_step`` (the optimizer's step pre-hook in plain PyTorch; ``on_before_optimizer_step``
   under Lightning, which runs after the last backward) follows replaced parameters and masks,
   updates the masks, then zeroes every gradient the hook did not mask (assigned with
-  ``p.grad = g``, written in place, or dense for the update) and, when something changed, the
-  weights and the same-shape optimizer state;
-- the step post-hook advances the algorithm's ``step`` (for the optimizer applied last) and
-  re-prunes the weights with one fused ``_foreach_mul_``, so a weight written by anything
-  (``.data`` included) is 0 after the step; optimizers whose state can become nonzero at a
-  pruned position (Adamax's ``exp_inf``, Rprop's step sizes, any unknown optimizer) get their
-  state re-pruned too.
+  ``p.grad = g``, written in place, or dense for the update), re-prunes the weights with one
+  fused ``_foreach_mul_`` (a weight written by anything, ``.data`` included, is 0 before weight
+  decay can carry it into the state) and, when something changed, the same-shape optimizer
+  state;
+- the step post-hook advances the algorithm's ``step`` (for the optimizer applied last). For
+  optimizers whose update can be nonzero at a pruned position (Adamax's ``exp_inf``, Rprop's
+  step sizes, any unknown optimizer) it re-prunes weights and state; the others keep exact
+  zeros where weight, gradient and state are 0 (weights are re-pruned after them too while a
+  same-shape state tensor is opted out with ``requires_dense``).
+
+Gradient clipping in a plain loop: on update steps call ``sparsity.update()`` after backward and
+before ``clip_grad_norm_`` (it installs the new masks and masks the gradients, which RigL and
+GraNet leave dense for their grow score); on other steps the hooks have already masked them. The
+norm clipping measures is then the norm of the gradient the step applies.
 
 Hooks are held by `_Hook` wrappers that pickle and deep-copy as no-ops, so ``torch.save(model)``
 and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorithm.
@@ -92,6 +99,7 @@ class StepHooks:
         self._masked_grad: dict[str, tuple[weakref.ref, int]] = {}  # (grad, its _version)
         self._synced: dict[int, int] = {}  # optimizer id -> mask version its state was pruned at
         self._state_len: dict[int, int] = {}
+        self._dense_state: set[int] = set()  # optimizers with requires_dense same-shape state
         self.version = 0  # bumped whenever masks, parameters or loaded state change
 
     # ------------------------------------------------------------------ installation
@@ -124,10 +132,15 @@ class StepHooks:
             grad = param.grad
             if grad is None:
                 return
+            mask = sp.mask
+            if mask is not self._masks.get(sp.name):  # replaced since the last step (to_empty,
+                mask = self._masks.get(sp.name)  # .to()): the values are the known mask's
+                if mask is None or mask.device != grad.device:
+                    return  # before_step restores the mask, then masks this gradient
             if self.algorithm.dense_grad_needed:  # keep it dense, minus non-finite pruned entries
-                zero_pruned_(grad, sp.mask | grad.isfinite())
+                zero_pruned_(grad, mask | grad.isfinite())
                 return
-            zero_pruned_(grad, sp.mask)
+            zero_pruned_(grad, mask)
             self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
 
         return mask_grad
@@ -149,6 +162,7 @@ class StepHooks:
         self.optimizers = [o for o in self.optimizers if o is not optimizer]
         self._synced.pop(id(optimizer), None)
         self._state_len.pop(id(optimizer), None)
+        self._dense_state.discard(id(optimizer))
 
     def remove(self) -> None:
         """Remove every hook (optimizers, parameters, root)."""
@@ -178,10 +192,13 @@ class StepHooks:
         sps = self.params_of(optimizer)
         if not sps:
             return
-        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
-        if not state_keeps_zero(optimizer) or len(optimizer.state) != self._state_len.get(
-            id(optimizer)
-        ):
+        if not state_keeps_zero(optimizer):  # its update can be nonzero at a pruned position
+            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+            self._prune_state(optimizer, sps)
+            return
+        if id(optimizer) in self._dense_state:  # opted-out (requires_dense) state moves weights
+            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        if len(optimizer.state) != self._state_len.get(id(optimizer)):
             self._prune_state(optimizer, sps)
 
     def params_of(self, optimizer: torch.optim.Optimizer) -> list[SparseParameter]:
@@ -202,8 +219,10 @@ class StepHooks:
             zero_pruned_foreach_([grad for _, grad in pending], [sp.mask for sp, _ in pending])
             for sp, grad in pending:
                 self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
+        # Weights every step (one fused op): anything may have written them (``.data`` too,
+        # invisible to version counters), and weight decay would carry them into the state.
+        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
         if changed or len(optimizer.state) != self._state_len.get(id(optimizer)):
-            zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
             self._prune_state(optimizer, sps)
             self._synced[id(optimizer)] = self.version
 
@@ -213,18 +232,21 @@ class StepHooks:
         return seen is not None and seen[0]() is grad and seen[1] == grad._version
 
     def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
-        tensors, masks = [], []
+        tensors, masks, opted_out = [], [], False
         for sp in sps:
             for value in optimizer.state.get(sp.param, {}).values():
-                if (
-                    torch.is_tensor(value)
-                    and value.shape == sp.param.shape
-                    and not getattr(value, "requires_dense", False)
-                ):
-                    tensors.append(value)
-                    masks.append(sp.mask)
+                if torch.is_tensor(value) and value.shape == sp.param.shape:
+                    if getattr(value, "requires_dense", False):
+                        opted_out = True
+                    else:
+                        tensors.append(value)
+                        masks.append(sp.mask)
         zero_pruned_foreach_(tensors, masks)
         self._state_len[id(optimizer)] = len(optimizer.state)
+        if opted_out:
+            self._dense_state.add(id(optimizer))
+        else:
+            self._dense_state.discard(id(optimizer))
 
     def _state_loaded(self, optimizer: torch.optim.Optimizer) -> None:
         self._state_len.pop(id(optimizer), None)  # pruned again before the next step

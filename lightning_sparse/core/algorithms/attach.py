@@ -30,7 +30,9 @@ from ..sparse_parameter import SparseParameter, mask_buffer_name
 if TYPE_CHECKING:
     from .base import SparsityAlgorithm
 
-__all__ = ["algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate"]
+__all__ = [
+    "algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate",
+]
 
 log = logging.getLogger("lightning_sparse")
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
@@ -157,7 +159,10 @@ def build_masks(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> list[t
 
 
 def register(
-    algorithm: SparsityAlgorithm, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
+    algorithm: SparsityAlgorithm,
+    root: nn.Module,
+    chosen: list[Candidate],
+    masks: list[torch.Tensor],
 ) -> list[SparseParameter]:
     """Register masks and hooks for ``chosen``; on failure undo them and raise. Reversible
     (`unregister_params`) until `commit` prunes the weights."""

@@ -104,6 +104,13 @@ def load_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
         ValueError / KeyError / TypeError: another algorithm, other parameters or shapes, other
             hyper-parameters, a different explicit seed, or a malformed state; nothing changed.
     """
+    check_algorithm_state(algorithm, state)
+    restore_algorithm_state(algorithm, state)
+
+
+def check_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
+    """Raise (see `load_algorithm_state`) unless ``state`` can be restored into ``algorithm``;
+    changes nothing, so a `Group` checks every member before any loads."""
     owner = algorithm.name
     if not isinstance(state, Mapping):
         raise TypeError(f"{owner}: sparsity state must be the dict state_dict() returned, got "
@@ -111,12 +118,12 @@ def load_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
     if "step" not in state:
         raise KeyError(f"{owner}: sparsity state {sorted(state)} has no 'step'; pass what "
                        "state_dict() returned")
-    step = _int(state, "step", None, owner)
-    last = _int(state, "last_update_step", -1, owner)
+    _int(state, "step", None, owner)
+    _int(state, "last_update_step", -1, owner)
     kind = type(algorithm).__name__.lower()
     if "algorithm" in state and state["algorithm"] != kind:
-        raise ValueError(f"{owner}: the checkpoint holds {state['algorithm']!r} state, not {kind!r}; "
-                         "resume with the algorithm that wrote it")
+        raise ValueError(f"{owner}: the checkpoint holds {state['algorithm']!r} state, not "
+                         f"{kind!r}; resume with the algorithm that wrote it")
     # A state without parameters comes from a removed (densified) algorithm: VariableSPDF.
     if state.get("params") and algorithm.sparse_params:
         ours = {name: list(sp.mask.shape) for name, sp in algorithm.sparse_params.items()}
@@ -124,33 +131,57 @@ def load_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
         if ours != theirs:
             diff = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
             raise ValueError(f"{owner}: the checkpoint sparsifies other parameters or shapes "
-                             f"(differing: {diff[:3]}); resume with the same model and param_filter")
+                             f"(differing: {diff[:3]}); resume with the same model and "
+                             "param_filter")
     if "config" in state:
         mine = algorithm.config()
         diff = {k: (state["config"].get(k), mine.get(k)) for k in set(mine) | set(state["config"])
                 if state["config"].get(k) != mine.get(k)}
         if diff:
             key, (was, now) = sorted(diff.items())[0]
-            raise ValueError(f"{owner}: the checkpoint was made with {key}={was}, this object has "
-                             f"{key}={now} ({len(diff)} setting(s) differ); construct the algorithm "
-                             "with the checkpoint's settings to resume it")
+            raise ValueError(f"{owner}: the checkpoint was made with {key}={was}, this object "
+                             f"has {key}={now} ({len(diff)} setting(s) differ); construct the "
+                             "algorithm with the checkpoint's settings to resume it")
     seed = state.get("seed", algorithm.seed)
     if algorithm.seed_given and seed is not None and seed != algorithm.seed:
         raise ValueError(f"{owner}: the checkpoint was made with seed={seed}, this object has "
                          f"seed={algorithm.seed}; pass seed={seed} (or seed=None) to resume it")
     ever = state.get("ever_active", {})
+    if not isinstance(ever, Mapping):
+        raise ValueError(f"{owner}: sparsity state ever_active must be a dict of bool masks")
     for name, mask in ever.items():
-        if name in algorithm.ever_active and mask.shape != algorithm.ever_active[name].shape:
-            raise ValueError(f"{owner}: ever_active[{name!r}] has shape {tuple(mask.shape)}, "
+        if name in algorithm.ever_active and (
+            not torch.is_tensor(mask) or mask.shape != algorithm.ever_active[name].shape
+        ):
+            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+            raise ValueError(f"{owner}: ever_active[{name!r}] has shape {shape}, "
                              f"the parameter {tuple(algorithm.ever_active[name].shape)}")
-    # everything checked: restore
-    algorithm.step, algorithm.last_update_step, algorithm.seed = step, last, seed
-    for name, mask in ever.items():
+    mask_targets(algorithm, state)
+
+
+def mask_targets(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> dict[str, float]:
+    """The targets the checkpoint's masks were built for (raises on a malformed entry)."""
+    last = state.get("last_update_step", -1)
+    if last >= 0:
+        return {name: algorithm.target_sparsity(name, last) for name in algorithm.sparse_params}
+    saved = state.get("mask_targets", {})
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{algorithm.name}: sparsity state mask_targets must be a dict")
+    try:
+        return {name: float(saved[name]) for name in algorithm.sparse_params if name in saved}
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{algorithm.name}: sparsity state mask_targets must map names to "
+                         f"floats ({err})") from None
+
+
+def restore_algorithm_state(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> None:
+    """Restore a ``state`` that `check_algorithm_state` accepted."""
+    targets = mask_targets(algorithm, state)
+    algorithm.step = state["step"]
+    algorithm.last_update_step = state.get("last_update_step", -1)
+    algorithm.seed = state.get("seed", algorithm.seed)
+    for name, mask in state.get("ever_active", {}).items():
         if name in algorithm.ever_active:
             algorithm.ever_active[name].copy_(mask)
-    for name in algorithm.sparse_params:
-        if last >= 0:
-            algorithm.mask_targets[name] = algorithm.target_sparsity(name, last)
-        elif name in state.get("mask_targets", {}):
-            algorithm.mask_targets[name] = float(state["mask_targets"][name])
+    algorithm.mask_targets.update(targets)
     algorithm.hooks.version += 1

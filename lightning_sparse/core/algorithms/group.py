@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from ..filters import ParamFilter, make_param_filter
 from ..observers import SparsityHook, UpdateHook
 from ..selection import Candidate, candidates, tied_parameter_ids
-from . import attach
+from . import attach, checkpoint
 from .base import SparsityAlgorithm
 
 __all__ = ["Group"]
@@ -103,7 +103,9 @@ class Group:
                     algorithm.apply(obj)
             return
         if not isinstance(obj, nn.Module):
-            raise TypeError(f"Group.apply expects an nn.Module or an Optimizer, got {type(obj).__name__}")
+            raise TypeError(
+                f"Group.apply expects an nn.Module or an Optimizer, got {type(obj).__name__}"
+            )
         if not self.members:
             raise RuntimeError("Group is empty: add (filter, algorithm) pairs before applying it")
         if self.root is not None:
@@ -275,7 +277,9 @@ class Group:
                 f"sparsity state has {len(states)} group(s) but this Group has "
                 f"{len(self.members)}; the checkpoint was made with a different configuration"
             )
-        before = [a.state_dict() for a in self]
+        for algorithm, state in zip(self, states, strict=True):  # all members before any loads
+            checkpoint.check_algorithm_state(algorithm, state)
+        before = [a.state_dict() for a in self]  # a member's own load_state_dict may check more
         try:
             for algorithm, state in zip(self, states, strict=True):
                 algorithm.load_state_dict(state)

@@ -147,3 +147,33 @@ def make_distribution(name: str) -> Distribution:
             f"(global magnitude ranking is global_magnitude(weights, sparsity))"
         )
     return DISTRIBUTIONS[name]
+
+
+class LayerSparsity:
+    """An algorithm's per-layer sparsity: ``distribution`` over the selected shapes, memoised
+    for the last overall target (so the per-step path never recomputes it).
+
+    Args:
+        name: a key of ``DISTRIBUTIONS``.
+        power_scale: the ER/ERK exponent (1.0 in the RigL paper).
+    """
+
+    def __init__(self, name: str, power_scale: float = 1.0) -> None:
+        self.name = name
+        self.distribution = make_distribution(name)
+        self.power_scale = float(power_scale)
+        self.shapes: dict[str, torch.Size] = {}
+        self._cache: dict[float, dict[str, float]] = {}
+
+    def set_shapes(self, shapes: dict[str, torch.Size]) -> None:
+        """The shapes of the selected parameters (set at ``apply``)."""
+        self.shapes, self._cache = dict(shapes), {}
+
+    def __call__(self, name: str, sparsity: float) -> float:
+        """Sparsity of parameter ``name`` when the overall target is ``sparsity``."""
+        if self.name == "uniform" or name not in self.shapes:
+            return sparsity
+        if sparsity not in self._cache:
+            spread = self.distribution(self.shapes, sparsity, power_scale=self.power_scale)
+            self._cache = {sparsity: spread}
+        return self._cache[sparsity][name]

@@ -57,8 +57,16 @@ _STATE_KEEPS_ZERO = tuple(
 
 
 def state_keeps_zero(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer.step()`` keeps same-shape state at 0 where gradient and state are 0."""
-    return type(optimizer) in _STATE_KEEPS_ZERO
+    """Whether ``optimizer.step()`` keeps same-shape state, and a zero weight, at 0 where the
+    gradient and the state are 0: a type of the table, with ``eps > 0`` (``eps == 0`` makes 0 / 0
+    = NaN at pruned positions; a tensor ``eps`` is not inspected, to avoid a host sync)."""
+    if type(optimizer) not in _STATE_KEEPS_ZERO:
+        return False
+    for group in optimizer.param_groups:
+        eps = group.get("eps", 1.0)
+        if not isinstance(eps, int | float) or eps <= 0:
+            return False
+    return True
 
 
 def _inert(*args: Any, **kwargs: Any) -> None:

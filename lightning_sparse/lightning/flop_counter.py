@@ -5,8 +5,9 @@ Every training batch costs ``3 x`` its forward FLOPs (Chinchilla appendix F, as 
 comes from :func:`~lightning_sparse.core.flops.model_flops` with the masks the batch was trained
 with. The dense reference is the same model with every weight kept. Consecutive batches with the
 same cost form one :class:`FlopSegment` (a sparse stage, a dense stage, one level of iterative
-pruning), so the summary reads as a per-stage table. RigL's dense weight gradients on update steps are not
-counted (at most ``1 / update freq`` of the steps; see ``FlopReport.extra_dense_grad_flops``).
+pruning), so the summary reads as a per-stage table. RigL's dense weight gradients on update
+steps are not counted (at most ``1 / update freq`` of the steps; see
+``FlopReport.extra_dense_grad_flops``).
 
 The cost is measured after the backward (``on_after_backward``), so a densify at batch start (SPDF)
 and a mask update before the optimizer step (GMP, iterative pruning) are charged to the right

@@ -21,8 +21,8 @@ import yaml
 from torch import nn
 
 from lightning_sparse.app import cli
-from lightning_sparse.lightning.callback import SparsityCallback
 from lightning_sparse.core.flops import FlopReport, transformer_flops
+from lightning_sparse.lightning.callback import SparsityCallback
 from tests.helpers import one_torch_thread
 
 RECIPES = cli.RECIPES_DIR

@@ -527,3 +527,24 @@ def test_weights_written_through_data_are_zero_after_the_step(
         optimizer.zero_grad()
         for sp in sparsity.sparse_params.values():
             assert torch.count_nonzero(sp.param.detach()[~sp.mask]) == 0, sp.name
+
+
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta"])
+def test_eps_zero_never_leaves_nan_at_pruned_positions(name: str) -> None:
+    """With ``eps=0`` these compute 0 / 0 at pruned positions: the weights are re-pruned."""
+    from lightning_sparse.core.per_step import state_keeps_zero
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    sparsity = Static(0.75, seed=0)
+    model.apply(sparsity)
+    optimizer = getattr(torch.optim, name)(model.parameters(), lr=0.01, eps=0.0)
+    assert not state_keeps_zero(optimizer)
+    sparsity.apply(optimizer)
+    for _ in range(3):
+        model(torch.randn(5, 8)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for sp in sparsity.sparse_params.values():
+            pruned = sp.param.detach()[~sp.mask]
+            assert torch.count_nonzero(pruned) == 0 and not pruned.isnan().any(), sp.name

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..filters import default_sparse_param_filter, is_dense_by_module
+from ..rng import resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
 from ..shapers import Shaper
 from ..sparse_parameter import SparseParameter, mask_buffer_name
@@ -130,8 +131,7 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
                           f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
                           stacklevel=4)
         algorithm.shaper.check(param.shape, name)
-    algorithm.shapes = {name: param.shape for name, _, _, param in chosen}
-    algorithm._layer_cache = {}
+    algorithm.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
     algorithm.check_range(algorithm.horizon())
 
 
@@ -210,7 +210,7 @@ def apply_model(algorithm: SparsityAlgorithm, root: nn.Module) -> None:
             stacklevel=4,
         )
     validate(algorithm, chosen)
-    algorithm.resolve_seed()
+    algorithm.seed = resolve_seed(algorithm.seed)
     commit(algorithm, root, register(algorithm, root, chosen, build_masks(algorithm, chosen)))
 
 

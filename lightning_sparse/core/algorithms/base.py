@@ -22,12 +22,12 @@ import torch
 from torch import nn
 
 from .. import report
-from ..distributions import make_distribution
+from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
 from ..observers import Observers
 from ..per_step import StepHooks
-from ..rng import generator_for, resolve_seed
+from ..rng import generator_for
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
@@ -102,9 +102,7 @@ class SparsityAlgorithm(ABC):
         self.seed = seed
         self.seed_given = seed is not None
         self.shaper = attach.check_shaper(shaper) if shaper is not None else Unstructured()
-        self.distribution_name = distribution
-        self.distribution = make_distribution(distribution)
-        self.erk_power_scale = float(erk_power_scale)
+        self.layers = LayerSparsity(distribution, erk_power_scale)
         self.track_itop = bool(track_itop)
         self.name = f"sparsity_{type(self).__name__.lower()}_{next(_counter)}"
         self.step = 0
@@ -118,9 +116,7 @@ class SparsityAlgorithm(ABC):
         self.unlogged_update = False
         self.last_update_step = -1
         self.mask_targets: dict[str, float] = {}
-        self.shapes: dict[str, torch.Size] = {}
         self._current = ""  # the parameter update_mask works on (name_of)
-        self._layer_cache: dict[float, dict[str, float]] = {}
         self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
         self.hooks = StepHooks(self)
@@ -149,13 +145,10 @@ class SparsityAlgorithm(ABC):
         return value
 
     def horizon(self) -> int:
-        """The last step the schedules define without knowing the run's length (the cadence's
-        end, a ramp's end); open-ended ones are checked up to ``max_steps`` by the Lightning
-        layer, and every value is checked again when it is used."""
+        """The last step known without the run's length: the cadence's or the ramp's end (the
+        Lightning layer checks up to ``max_steps``; each value is checked again when used)."""
         last = self.update_schedule.last()
-        return (
-            last if last is not None else max((*self.milestones(), *self.sparsity.milestones(), 0))
-        )
+        return last if last is not None else max((*self.sparsity.milestones(), 0))
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -179,16 +172,7 @@ class SparsityAlgorithm(ABC):
         """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
         value = evaluate(self.sparsity, step, "sparsity")
         check_sparsity_value(value, step, self.sparsity, name)
-        return self.layer_sparsity(name, value)
-
-    def layer_sparsity(self, name: str, sparsity: float) -> float:
-        """Sparsity of parameter ``name`` when the overall target is ``sparsity``."""
-        if self.distribution_name == "uniform" or name not in self.shapes:
-            return sparsity
-        if sparsity not in self._layer_cache:
-            spread = self.distribution(self.shapes, sparsity, power_scale=self.erk_power_scale)
-            self._layer_cache = {sparsity: spread}
-        return self._layer_cache[sparsity][name]
+        return self.layers(name, value)
 
     def initial_target(self, name: str) -> float:
         """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
@@ -243,10 +227,6 @@ class SparsityAlgorithm(ABC):
         """The work before ``optimizer.step()`` (see `per_step`); Lightning calls it from
         ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
         self.hooks.before_step(optimizer)
-
-    def resolve_seed(self) -> None:
-        """Fix ``seed`` (the experiment's, rank 0's) before the first mask is drawn."""
-        self.seed = resolve_seed(self.seed)
 
     # ------------------------------------------------------------------ update
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -306,31 +286,11 @@ class SparsityAlgorithm(ABC):
     register_computed_sparsity_hook = Observers.register_computed_sparsity_hook
     overall_sparsity = report.overall_sparsity
 
-    # ------------------------------------------------------------------ checkpoints, removal
-    def config(self) -> dict[str, str]:
-        """What a checkpoint must agree on to be resumed by this object (stable reprs)."""
-        drop = self.drop_fraction
-        return {
-            "sparsity": repr(self.sparsity),
-            "update": repr(self.update_schedule),
-            "shaper": repr(self.shaper),
-            "distribution": self.distribution_name,
-            **({"drop_fraction": repr(drop)} if drop is not None else {}),
-        }
-
-    def state_dict(self) -> dict[str, Any]:
-        """Step, seed and identity (masks are ``<param>_mask`` buffers of the model)."""
-        return checkpoint.algorithm_state(self)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output: everything is checked before anything changes."""
-        checkpoint.load_algorithm_state(self, state_dict)
-
-    def check_incoming_state(
-        self, module: nn.Module, state_dict: dict, prefix: str, *args: Any
-    ) -> None:
-        """Load pre-hook of the model: masks must fit; a dense checkpoint gets the masks."""
-        checkpoint.check_incoming_masks(self, module, state_dict, prefix)
+    # Checkpoints (`checkpoint.py`): step, seed and identity; masks are model buffers.
+    config = checkpoint.algorithm_config
+    state_dict = checkpoint.algorithm_state
+    load_state_dict = checkpoint.load_algorithm_state
+    check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""

@@ -22,7 +22,11 @@ if TYPE_CHECKING:
 
 
 def check_incoming_masks(
-    algorithm: SparsityAlgorithm, root: nn.Module, state_dict: dict[str, Any], prefix: str
+    algorithm: SparsityAlgorithm,
+    root: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    *hook_args: Any,
 ) -> None:
     """Check (and complete) the ``*_mask`` entries of ``state_dict`` before ``root`` loads it.
 
@@ -36,6 +40,7 @@ def check_incoming_masks(
         root: the module the algorithm was applied to (``state_dict`` keys start at it).
         state_dict: the dict being loaded (torch passes a copy; it is completed in place).
         prefix: key prefix of ``root`` inside ``state_dict``.
+        hook_args: the rest of ``nn.Module``'s load pre-hook arguments (unused).
     """
     for name, sp in algorithm.sparse_params.items():
         key = f"{prefix}{name}_mask"
@@ -72,6 +77,19 @@ def check_incoming_masks(
             f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
             "dense; include those parameters in param_filter, or drop the keys to load them dense"
         )
+
+
+def algorithm_config(algorithm: SparsityAlgorithm) -> dict[str, str]:
+    """What a checkpoint must agree on to be resumed by ``algorithm`` (reprs that are stable
+    across processes)."""
+    drop = algorithm.drop_fraction
+    return {
+        "sparsity": repr(algorithm.sparsity),
+        "update": repr(algorithm.update_schedule),
+        "shaper": repr(algorithm.shaper),
+        "distribution": algorithm.layers.name,
+        **({"drop_fraction": repr(drop)} if drop is not None else {}),
+    }
 
 
 def algorithm_state(algorithm: SparsityAlgorithm) -> dict[str, Any]:

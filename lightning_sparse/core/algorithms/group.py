@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..filters import ParamFilter, make_param_filter
 from ..observers import SparsityHook, UpdateHook
+from ..rng import resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
 from . import attach, checkpoint
 from .base import SparsityAlgorithm
@@ -114,7 +115,7 @@ class Group:
         for algorithm, chosen in zip(self, routed, strict=True):
             attach.validate(algorithm, chosen)  # every member before any is touched
         for algorithm in self:
-            algorithm.resolve_seed()
+            algorithm.seed = resolve_seed(algorithm.seed)
         masks = [attach.build_masks(a, chosen) for a, chosen in zip(self, routed, strict=True)]
         done: list[tuple[SparsityAlgorithm, list]] = []
         try:

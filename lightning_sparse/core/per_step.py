@@ -4,15 +4,15 @@ One `StepHooks` per algorithm installs official PyTorch hooks only:
 
 - a post-accumulate-grad hook per sparse parameter zeroes its gradient at pruned positions as
   backward produces it (NaN/inf too, so AMP never skips a step for a pruned entry; plain-PyTorch
-  gradient clipping sees masked gradients). On steps whose update reads the dense gradient
-  (RigL, GraNet) it leaves the gradient dense;
+  gradient clipping sees masked gradients), and the weight with it, while both are in cache (a
+  weight written by anything since the last step, ``.data`` included, is 0 before weight decay
+  can carry it into the state). On steps whose update reads the dense gradient (RigL, GraNet)
+  it leaves the gradient dense;
 - ``before_step`` (the optimizer's step pre-hook in plain PyTorch; ``on_before_optimizer_step``
   under Lightning, which runs after the last backward) follows replaced parameters and masks,
-  updates the masks, then zeroes every gradient the hook did not mask (assigned with
-  ``p.grad = g``, written in place, or dense for the update), re-prunes the weights with one
-  fused ``_foreach_mul_`` (a weight written by anything, ``.data`` included, is 0 before weight
-  decay can carry it into the state) and, when something changed, the same-shape optimizer
-  state;
+  updates the masks, then zeroes every gradient and weight the hook did not (a gradient
+  assigned with ``p.grad = g``; a tensor written in place since, by its version counter; the
+  dense gradient of an update) and, when something changed, the same-shape optimizer state;
 - the step post-hook advances the algorithm's ``step`` (for the optimizer applied last). For
   optimizers whose update can be nonzero at a pruned position (Adamax's ``exp_inf``, Rprop's
   step sizes, any unknown optimizer) it re-prunes weights and state; the others keep exact
@@ -105,6 +105,7 @@ class StepHooks:
         self._hooked: dict[str, nn.Parameter] = {}  # the parameter object each hook is on
         self._masks: dict[str, torch.Tensor] = {}  # the mask tensor object each name had
         self._masked_grad: dict[str, tuple[weakref.ref, int]] = {}  # (grad, its _version)
+        self._pruned_weight: dict[str, int] = {}  # the weight's _version when the hook pruned it
         self._synced: dict[int, int] = {}  # optimizer id -> mask version its state was pruned at
         self._state_len: dict[int, int] = {}
         self._dense_state: set[int] = set()  # optimizers with requires_dense same-shape state
@@ -145,11 +146,15 @@ class StepHooks:
                 mask = self._masks.get(sp.name)  # .to()): the values are the known mask's
                 if mask is None or mask.device != grad.device:
                     return  # before_step restores the mask, then masks this gradient
+            # The weight too, while it is in cache: every backward node that read it has run.
+            # Through ``.data``, so a graph kept with retain_graph=True stays usable.
+            weight = param.data
             if self.algorithm.dense_grad_needed:  # keep it dense, minus non-finite pruned entries
-                zero_pruned_(grad, mask | grad.isfinite())
-                return
-            zero_pruned_(grad, mask)
-            self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
+                zero_pruned_foreach_([grad, weight], [mask | grad.isfinite(), mask])
+            else:
+                zero_pruned_foreach_([grad, weight], [mask, mask])
+                self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
+            self._pruned_weight[sp.name] = param._version
 
         return mask_grad
 
@@ -179,7 +184,7 @@ class StepHooks:
         for handle in [*self._handles.values(), *self._root_handles]:
             handle.remove()
         self._handles, self._root_handles = {}, []
-        self._hooked, self._masks, self._masked_grad = {}, {}, {}
+        self._hooked, self._masks, self._masked_grad, self._pruned_weight = {}, {}, {}, {}
 
     # ------------------------------------------------------------------ the step
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -215,7 +220,8 @@ class StepHooks:
         return [sp for sp in self.algorithm.sparse_params.values() if id(sp.param) in ids]
 
     def sync(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
-        """Zero every gradient not already masked; weights and state too if anything changed."""
+        """Zero every gradient and weight the hooks did not (assigned ``p.grad = g``, written
+        since, dense for an update); everything, state too, when masks or tensors changed."""
         sps = self.params_of(optimizer)
         changed = force or self._synced.get(id(optimizer)) != self.version
         pending = [
@@ -227,9 +233,15 @@ class StepHooks:
             zero_pruned_foreach_([grad for _, grad in pending], [sp.mask for sp, _ in pending])
             for sp, grad in pending:
                 self._masked_grad[sp.name] = (weakref.ref(grad), grad._version)
-        # Weights every step (one fused op): anything may have written them (``.data`` too,
-        # invisible to version counters), and weight decay would carry them into the state.
-        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        # Weights: the hook pruned them in backward; prune here those it did not, or that were
+        # written in place since (version counters; weight decay would carry them into state).
+        stale = [
+            sp for sp in sps if changed or self._pruned_weight.get(sp.name) != sp.param._version
+        ]
+        if stale:
+            zero_pruned_foreach_([sp.param for sp in stale], [sp.mask for sp in stale])
+            for sp in stale:
+                self._pruned_weight[sp.name] = sp.param._version
         if changed or len(optimizer.state) != self._state_len.get(id(optimizer)):
             self._prune_state(optimizer, sps)
             self._synced[id(optimizer)] = self.version

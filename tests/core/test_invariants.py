@@ -548,3 +548,18 @@ def test_eps_zero_never_leaves_nan_at_pruned_positions(name: str) -> None:
         for sp in sparsity.sparse_params.values():
             pruned = sp.param.detach()[~sp.mask]
             assert torch.count_nonzero(pruned) == 0 and not pruned.isnan().any(), sp.name
+
+
+def test_backward_twice_through_a_retained_graph() -> None:
+    """The gradient hook prunes the weight through ``.data``: a retained graph stays usable."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    sparsity = Static(0.5, seed=0)
+    model.apply(sparsity)
+    loss = model(torch.randn(5, 8)).square().sum()
+    loss.backward(retain_graph=True)
+    first = {n: sp.param.grad.clone() for n, sp in sparsity.sparse_params.items()}
+    loss.backward()
+    for name, sp in sparsity.sparse_params.items():
+        torch.testing.assert_close(sp.param.grad, 2 * first[name])
+        assert torch.count_nonzero(sp.param.grad[~sp.mask]) == 0

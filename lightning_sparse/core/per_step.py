@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .masking import zero_pruned_, zero_pruned_foreach_
+from .masking import zero_pruned_foreach_
 from .sparse_parameter import SparseParameter
 
 if TYPE_CHECKING:

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from ..filters import default_sparse_param_filter, is_dense_by_module
-from ..rng import resolve_seed
+from ..rng import generator_for, resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
 from ..shapers import Shaper
+from ..sharding import full, shard_like
 from ..sparse_parameter import SparseParameter, mask_buffer_name
 
 if TYPE_CHECKING:
@@ -151,6 +152,18 @@ def check_mask(mask: object, param: torch.Tensor, name: str, init_method: object
             )
         mask = mask.to(torch.bool)
     return mask
+
+
+def initial_mask(algorithm: SparsityAlgorithm, name: str, param: torch.Tensor) -> torch.Tensor:
+    """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
+    training starts dense (step 0 is not an update step)."""
+    if not algorithm.starts_sparse:
+        return torch.ones_like(param, dtype=torch.bool)
+    generator = generator_for(algorithm.seed, 0, name, param.device)
+    dense = full(param.detach())
+    target = algorithm.initial_target(name)
+    mask = algorithm.init_method(dense, target, generator=generator, shaper=algorithm.shaper)
+    return shard_like(check_mask(mask, dense, name, algorithm.init_method), param)
 
 
 def build_masks(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> list[torch.Tensor]:

@@ -33,17 +33,15 @@ from ..schedules import (
     ScheduleSpec,
     UpdateSpec,
     bind,
-    check_drop_fraction_value,
     check_sparsity_value,
     evaluate,
     make_update_schedule,
-    steps_to_check,
     validate_sparsity,
 )
 from ..selection import Candidate
 from ..shapers import Shaper, Unstructured
 from ..sharding import full, is_sharded, shard_like
-from . import attach, checkpoint, mask_update
+from . import attach, checkpoint, mask_update, ranges
 from .registry import register_algorithm
 
 __all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
@@ -131,24 +129,10 @@ class SparsityAlgorithm(ABC):
         """Steps that are update steps whatever the cadence (none by default)."""
         return ()
 
-    def check_range(self, horizon: int) -> None:
-        """Check every scheduled value used in steps ``[0, horizon]``: in [0, 1), finite."""
-        for step in steps_to_check(self.update_schedule, horizon, (0, *self.milestones())):
-            check_sparsity_value(evaluate(self.sparsity, step, "sparsity"), step, self.sparsity)
-            if self.drop_fraction is not None:
-                self.drop_fraction_at(step)
-
-    def drop_fraction_at(self, step: int) -> float:
-        """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
-        value = evaluate(self.drop_fraction, step, "drop_fraction")
-        check_drop_fraction_value(value, step, self.drop_fraction)
-        return value
-
-    def horizon(self) -> int:
-        """The last step known without the run's length: the cadence's or the ramp's end (the
-        Lightning layer checks up to ``max_steps``; each value is checked again when used)."""
-        last = self.update_schedule.last()
-        return last if last is not None else max((*self.sparsity.milestones(), 0))
+    # Range checks of the schedules (`ranges.py`): at build, at setup, at every use.
+    check_range = ranges.check_range
+    drop_fraction_at = ranges.drop_fraction_at
+    horizon = ranges.horizon
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -178,16 +162,7 @@ class SparsityAlgorithm(ABC):
         """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
         return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
 
-    def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
-        """Mask at ``apply``: ``init_method`` at the step-0 target, or all-ones (dense start)."""
-        if not self.starts_sparse:
-            return torch.ones_like(param, dtype=torch.bool)
-        generator = generator_for(self.seed, 0, name, param.device)
-        dense = full(param.detach())
-        mask = self.init_method(
-            dense, self.initial_target(name), generator=generator, shaper=self.shaper
-        )
-        return shard_like(attach.check_mask(mask, dense, name, self.init_method), param)
+    initial_mask = attach.initial_mask
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -232,11 +207,8 @@ class SparsityAlgorithm(ABC):
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Recompute the masks on update steps (once per step), before the optimizer step. In a
         plain loop that clips gradients, call it before clipping on update steps."""
-        if (
-            not self.sparse_params
-            or not self.is_update_step()
-            or self.last_update_step == self.step
-        ):
+        due = self.sparse_params and self.last_update_step != self.step and self.is_update_step()
+        if not due:
             return
         if self.check_finite and not mask_update.grads_finite(self.sparse_params):
             return  # AMP skips this step; the step counter does not advance, retry next time

@@ -92,3 +92,21 @@ print("ok")
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_public_api_names_resolve_and_are_the_documented_kinds() -> None:
+    """Every name in ``lightning_sparse.__all__`` resolves; the algorithms are Lightning
+    callbacks that extend the plain core classes of the same name."""
+    import lightning.pytorch as pl
+
+    import lightning_sparse
+    from lightning_sparse import core
+
+    for name in lightning_sparse.__all__:
+        assert getattr(lightning_sparse, name) is not None, name
+    for name in ("Static", "GMP", "SET", "RigL", "GraNet", "Group", "SparsityAlgorithm"):
+        public = getattr(lightning_sparse, name)
+        assert issubclass(public, pl.Callback) and issubclass(public, getattr(core, name)), name
+    assert lightning_sparse.DynamicSparsityAlgorithm is lightning_sparse.SparsityAlgorithm
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        lightning_sparse.Nope  # noqa: B018

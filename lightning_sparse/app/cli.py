@@ -44,6 +44,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
 
 import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse" for recipes)
+from lightning_sparse.app.threads import set_threads
 from lightning_sparse.lightning import ModelZooSparsity, SparseRunSummary
 from lightning_sparse.recipes import RECIPES_DIR
 
@@ -485,6 +486,8 @@ def main(args: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
     debug = "--debug" in args or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     args = [a for a in args if a != "--debug"]
+    if args[:1] in ([], ["fit"], ["validate"], ["test"], ["predict"]) and "--help" not in args:
+        print(set_threads(), flush=True)  # idle cores only: two threads thrash beside a busy one
     with quiet():
         try:
             _dispatch(args)

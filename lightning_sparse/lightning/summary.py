@@ -359,7 +359,10 @@ class SparseRunSummary(pl.Callback):
     def _emit(self, path: Path, summary: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {path}")
+        shown = path.resolve()
+        if shown.is_relative_to(Path.cwd().resolve()):
+            shown = shown.relative_to(Path.cwd().resolve())
+        print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {shown}")
 
 
 def format_summary(summary: dict[str, Any], layers: bool = True) -> str:

@@ -359,9 +359,11 @@ class SparseRunSummary(pl.Callback):
     def _emit(self, path: Path, summary: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        shown = path.resolve()
-        if shown.is_relative_to(Path.cwd().resolve()):
+        shown = path.resolve()  # as given with --summary.path, else relative to the cwd
+        if self.path is None and shown.is_relative_to(Path.cwd().resolve()):
             shown = shown.relative_to(Path.cwd().resolve())
+        elif self.path is not None:
+            shown = path
         print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {shown}")
 
 

@@ -224,8 +224,8 @@ def plan_run_dir(
         if args is None:
             entry.init_args = args = Namespace()
         if issubclass(cls, WandbLogger):
-            if args.get("save_dir") is not None:
-                args.save_dir = str(Path(args.save_dir) / run.path.name)
+            if args.get("save_dir") is not None:  # absolute: W&B prints `wandb sync <it>`
+                args.save_dir = str((Path(args.save_dir) / run.path.name).resolve())
         elif args.get("version") is None:
             args.version = run.version
     for callback in _as_list(config.get("trainer.callbacks")):

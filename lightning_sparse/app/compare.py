@@ -11,13 +11,16 @@ Each recipe runs as its own ``lightning-sparse fit`` process in ``<out>/<name>/`
 relative output paths land there), writing ``<out>/<name>/summary.json``. A recipe whose summary
 exists from the same command is not run again (``--force`` re-runs it), so an interrupted
 comparison continues where it stopped. Results: ``<out>/comparison.md`` (the table and the
-commands), ``<out>/comparison.json`` and ``<out>/val_loss.svg`` (validation loss curves).
+commands), ``<out>/comparison.json`` and ``<out>/val_loss.svg`` (validation loss curves). Runs
+logged offline to W&B are listed at the end as ``wandb sync`` commands whose paths work from the
+directory ``compare`` was started in.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -27,7 +30,7 @@ from typing import Any
 from lightning_sparse.app.svg_plot import line_plot_svg
 from lightning_sparse.recipes import RECIPES_DIR
 
-__all__ = ["DEFAULT_RECIPES", "format_table", "main", "resolve_recipe"]
+__all__ = ["DEFAULT_RECIPES", "format_table", "main", "resolve_recipe", "wandb_sync_commands"]
 
 DEFAULT_RECIPES = ("dense", "static", "set", "rigl", "granet")
 
@@ -107,6 +110,25 @@ def main(args: list[str]) -> None:
         svg = line_plot_svg(curves, "Validation loss", "optimizer step", "loss (nats/token)")
         (out / "val_loss.svg").write_text(svg)
     print(f"\n{table}\n\nsaved {out / 'comparison.md'}, {out / 'val_loss.svg'}")
+    sync = wandb_sync_commands([out / name for name in recipes])
+    if sync:
+        print("W&B runs logged offline; upload them from this directory with:")
+        print("\n".join(f"    {command}" for command in sync))
+
+
+def wandb_sync_commands(run_dirs: list[Path], cwd: Path | None = None) -> list[str]:
+    """``wandb sync <dir>`` for every offline W&B run under ``run_dirs``, the paths relative to
+    ``cwd`` (default: the current directory; absolute where no relative path exists)."""
+    here = (cwd or Path.cwd()).resolve()
+    commands = []
+    for run_dir in run_dirs:
+        for found in sorted(run_dir.resolve().rglob("wandb/offline-run-*")):
+            try:
+                path = os.path.relpath(found, here)
+            except ValueError:  # another drive (Windows)
+                path = str(found)
+            commands.append(f"wandb sync {path}")
+    return commands
 
 
 def _run(

@@ -267,7 +267,8 @@ class IterativePruning(pl.Callback):
         """Level, sparsity (target and actual), end-of-level val loss, inference FLOP reduction."""
         lines = [
             f"Iterative pruning with LR rewinding: {self.levels} levels x {self.level_steps} "
-            f"steps, {self.prune_fraction:.0%} of the remaining weights per level, {self.scope}",
+            f"steps, {self.prune_fraction:.0%} of the remaining weights per level, "
+            + ("ranked within each layer" if self.scope == "layer" else "ranked globally"),
             f"{'level':>5} {'target':>8} {'sparsity':>9} {self.monitor:>9} "
             f"{'inference FLOPs dense/sparse':>29} {'nonzero params':>15}",
         ]

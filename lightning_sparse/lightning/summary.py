@@ -3,9 +3,13 @@
 At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
 ``lightning-sparse compare``:
 
-- validation loss and perplexity (the last validation, and the curve), with the unigram
-  baseline when the data module exposes its byte corpora;
-- per-layer sparsity (`sparsity_report`);
+- validation loss and perplexity of the last validation, with the unigram baseline when the data
+  module exposes its byte corpora (the JSON also has the curve); the key read is ``monitor``, else
+  the `ModelCheckpoint` monitor, else ``val/loss`` or ``val_loss``, and when none was logged the
+  summary says which keys it looked for and why (validation did not run, or logged other keys);
+- the sparsity stages as they ran (``sparse 90.0% for steps 0-300, then dense for steps
+  300-360``: measured whenever the masks or the set of masked layers change) and per-layer
+  sparsity at the end (`sparsity_report`);
 - training and inference FLOPs, sparse versus the same model dense (`model_flops`, Chinchilla
   conventions, see ``flops.py``). Training FLOPs are counted step by step as ``3 x`` the forward
   FLOPs per token of the masks in force times the tokens trained, so a schedule that changes the
@@ -14,6 +18,8 @@ At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
 
 During training it logs ``flops/train``, ``flops/train_dense`` and ``tokens`` (cumulative) at the
 trainer's logging interval. Its counters are callback state, so a resumed run continues them.
+On the emulated wafer-scale device (``accelerator="wse"``) it adds the device's statistics:
+executed versus dense-equivalent FLOPs, CSR versus dense weight bytes, CSR rebuilds.
 """
 
 from __future__ import annotations
@@ -27,7 +33,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
@@ -37,6 +45,7 @@ from lightning_sparse.core.report import sparsity_report
 __all__ = ["SparseRunSummary", "attention_dims", "unigram_cross_entropy"]
 
 _COUNTERS = ("tokens", "train_flops", "dense_train_flops", "dense_grad_flops", "dense_grad_steps")
+VAL_KEYS = ("val/loss", "val_loss")  # looked for, in order, when no monitor is configured
 
 
 class SparseRunSummary(pl.Callback):
@@ -47,8 +56,9 @@ class SparseRunSummary(pl.Callback):
 
     Args:
         path: JSON file to write; default ``<trainer.log_dir>/summary.json``.
-        monitor: the logged validation loss (nats per token); ``val/ppl`` is read if logged,
-            else ``exp(loss)``.
+        monitor: the logged validation loss (nats per token); default: the `ModelCheckpoint`
+            ``monitor`` if one is set, else the first of ``val/loss``, ``val_loss`` logged. The
+            perplexity is the same key with ``loss`` -> ``ppl`` if logged, else ``exp(loss)``.
         seq_len: tokens per training sequence; default ``T`` of the batch shape above.
         print_layers: print the per-layer sparsity table (the JSON always has it).
     """
@@ -56,7 +66,7 @@ class SparseRunSummary(pl.Callback):
     def __init__(
         self,
         path: str | None = None,
-        monitor: str = "val/loss",
+        monitor: str | None = None,
         seq_len: int | None = None,
         print_layers: bool = True,
     ) -> None:
@@ -79,6 +89,14 @@ class SparseRunSummary(pl.Callback):
         self._seq_len_seen: int | None = None
         self.summary: dict[str, Any] | None = None
         self._layers = -1
+        # What actually ran: sparsity stages, algorithms, validations.
+        self.stages: list[dict[str, Any]] = []
+        self.algorithm_names: set[str] = set()
+        self.val_runs = 0
+        self._val_key: str | None = None
+        self._val_logged: list[str] = []
+        self._stage_layers = -1
+        self._stage_dirty = True
 
     # ------------------------------------------------------------------ counting
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -97,13 +115,14 @@ class SparseRunSummary(pl.Callback):
         # Charged here: forward and backward run with the masks in force now (updates come
         # after the backward, before the optimizer step).
         self._step_at_batch_start = trainer.global_step
+        # The sparse layers themselves can change too (densify at a Variable SPDF switch).
+        layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
+        self._note_stage(pl_module, trainer.global_step, layers)
         shape = self._batch_shape(batch)
         if shape is None:
             return
         sequences, seq_len = shape
         self._seq_len_seen = seq_len
-        # The sparse layers themselves can change too (densify at a Variable SPDF switch).
-        layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
         if self._report is None or self._report.seq_len != seq_len or layers != self._layers:
             self._report = model_flops(pl_module, seq_len, **attention_dims(pl_module))
             self._layers = layers
@@ -115,7 +134,27 @@ class SparseRunSummary(pl.Callback):
             3 * self._report.dense_forward_flops_per_token * tokens
         )
 
+    def _note_stage(self, pl_module: pl.LightningModule, step: int, layers: int) -> None:
+        """Extend the current sparsity stage to ``step``, or (masks changed) measure the sparsity
+        and start a new stage when the model went from sparse to dense or back."""
+        if self._stage_dirty or layers != self._stage_layers:
+            self._stage_dirty, self._stage_layers = False, layers
+            self.algorithm_names.update(type(a).__name__ for a in algorithms_of(pl_module))
+            totals = sparsity_report(pl_module, masked_only=True).totals
+            sparse = totals["sparse_params"] > 0
+            sparsity = totals["sparse_sparsity"] if sparse else None
+            last = self.stages[-1] if self.stages else None
+            if last is not None and last["kind"] == ("sparse" if sparse else "dense"):
+                if sparse:
+                    last["sparsity"][1] = sparsity
+            else:
+                kind = "sparse" if sparse else "dense"
+                pair = [sparsity, sparsity] if sparse else None
+                self.stages.append({"kind": kind, "steps": [step, step + 1], "sparsity": pair})
+        self.stages[-1]["steps"][1] = step + 1
+
     def _on_mask_update(self, algorithm: SparsityAlgorithm, step: int, stats: Any) -> None:
+        self._stage_dirty = True
         # Runs inside the optimizer step, after the new masks are set: the cached report still
         # describes the masks this step's dense gradients were computed against.
         if getattr(algorithm, "needs_dense_grad", False) and step != self._last_dense_grad_step:
@@ -155,9 +194,26 @@ class SparseRunSummary(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
-        loss = trainer.callback_metrics.get(self.monitor)
-        if loss is not None:
-            self.val_curve.append([trainer.global_step, float(loss)])
+        self.val_runs += 1
+        metrics = trainer.callback_metrics
+        key = next((k for k in self.monitor_keys(trainer) if k in metrics), None)
+        if key is not None:
+            self._val_key = key
+            self.val_curve.append([trainer.global_step, float(metrics[key])])
+        else:
+            self._val_logged = sorted(k for k in metrics if "val" in k)
+
+    def monitor_keys(self, trainer: pl.Trainer) -> list[str]:
+        """The validation-loss keys looked for, in order: ``monitor``; else the
+        `ModelCheckpoint` monitor, ``val/loss``, ``val_loss``."""
+        if self.monitor is not None:
+            return [self.monitor]
+        keys = [
+            c.monitor
+            for c in trainer.callbacks  # type: ignore[attr-defined]
+            if isinstance(c, ModelCheckpoint) and c.monitor is not None
+        ]
+        return list(dict.fromkeys([*keys, *VAL_KEYS]))
 
     @property
     def train_flops(self) -> float:
@@ -191,6 +247,13 @@ class SparseRunSummary(pl.Callback):
             "train_curve": [list(p) for p in self.train_curve],
             "wall_time": self._elapsed(),
             "last_dense_grad_step": self._last_dense_grad_step,
+            "stages": [
+                {**st, "steps": list(st["steps"]), "sparsity": _copy(st["sparsity"])}
+                for st in self.stages
+            ],
+            "algorithm_names": sorted(self.algorithm_names),
+            "val_runs": self.val_runs,
+            "val_key": self._val_key,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -199,6 +262,14 @@ class SparseRunSummary(pl.Callback):
         self.train_curve = [list(p) for p in state_dict["train_curve"]]
         self.wall_time = float(state_dict["wall_time"])
         self._last_dense_grad_step = int(state_dict.get("last_dense_grad_step", -1))
+        self.stages = [
+            {**st, "steps": list(st["steps"]), "sparsity": _copy(st["sparsity"])}
+            for st in state_dict.get("stages", [])
+        ]
+        self.algorithm_names = set(state_dict.get("algorithm_names", []))
+        self.val_runs = int(state_dict.get("val_runs", 0))
+        self._val_key = state_dict.get("val_key")
+        self._stage_dirty = True
         self._fit_start = time.perf_counter()
 
     # ------------------------------------------------------------------ the summary
@@ -217,19 +288,28 @@ class SparseRunSummary(pl.Callback):
         seq_len = self._seq_len_seen or self.seq_len or 1
         flops = model_flops(pl_module, seq_len, **attention_dims(pl_module))
         step, loss = self.val_curve[-1] if self.val_curve else (None, None)
-        ppl = trainer.callback_metrics.get("val/ppl")
-        algorithms = algorithms_of(pl_module)
+        key = self._val_key if loss is not None else None
+        ppl = trainer.callback_metrics.get(key.replace("loss", "ppl")) if key else None
+        algorithms = self.algorithm_names | {type(a).__name__ for a in algorithms_of(pl_module)}
         return {
             "steps": trainer.global_step,
             "world_size": trainer.world_size,
             "wall_time_s": self._elapsed(),
             "tokens": int(self.counters["tokens"]),
-            "algorithms": sorted({type(a).__name__ for a in algorithms}) or ["dense"],
+            "algorithms": sorted(algorithms) or ["dense"],
+            "stages": [
+                {**st, "steps": list(st["steps"]), "sparsity": _copy(st["sparsity"])}
+                for st in self.stages
+            ],
             "val": {
                 "step": step,
                 "loss": loss,
                 "ppl": float(ppl) if ppl is not None and loss is not None else _exp(loss),
                 "unigram_loss": _unigram_of(trainer.datamodule),
+                "key": key,
+                "looked_for": self.monitor_keys(trainer),
+                "runs": self.val_runs,
+                "note": None if loss is not None else self._no_validation(trainer, pl_module),
             },
             "val_curve": self.val_curve,
             "train_curve": self.train_curve,
@@ -249,13 +329,42 @@ class SparseRunSummary(pl.Callback):
                 "inference_per_token": flops.forward_flops_per_token,
                 "inference_per_token_dense": flops.dense_forward_flops_per_token,
             },
+            "device": _device_stats(trainer),
         }
+
+    def _no_validation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
+        """Why there is no validation loss to report, and what to change."""
+        if self.val_runs:
+            logged = ", ".join(repr(k) for k in self._val_logged) or "no validation metrics"
+            return (
+                f"validation ran {self.val_runs} times and logged {logged}; set "
+                "--summary.monitor to the validation loss key"
+            )
+        if not is_overridden("validation_step", pl_module):
+            return "validation did not run: the module has no validation_step"
+        if trainer.limit_val_batches == 0:
+            return "validation did not run: limit_val_batches is 0"
+        interval, steps = trainer.val_check_interval, trainer.global_step
+        if trainer.check_val_every_n_epoch is None and isinstance(interval, int):
+            return (
+                f"validation did not run: val_check_interval {interval} > {steps} steps; "
+                "lower --trainer.val_check_interval"
+            )
+        return (
+            f"validation did not run in {steps} steps (check_val_every_n_epoch "
+            f"{trainer.check_val_every_n_epoch}, val_check_interval {interval})"
+        )
 
     @rank_zero_only
     def _emit(self, path: Path, summary: dict[str, Any]) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1) + "\n")
-        print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {path}")
+        shown = path.resolve()  # as given with --summary.path, else relative to the cwd
+        if self.path is None and shown.is_relative_to(Path.cwd().resolve()):
+            shown = shown.relative_to(Path.cwd().resolve())
+        elif self.path is not None:
+            shown = path
+        print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {shown}")
 
 
 def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
@@ -268,18 +377,28 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
         f"{summary['wall_time_s']:.0f} s  algorithms {', '.join(summary['algorithms'])}",
     ]
     if val["loss"] is None:
-        lines.append("validation: none ran (set trainer.val_check_interval)")
+        looked = " or ".join(repr(k) for k in val.get("looked_for", ["val/loss"]))
+        lines.append(f"validation: no {looked} logged ({val.get('note')})")
     else:
         baseline = val["unigram_loss"]
         extra = f"   (unigram baseline {baseline:.4f})" if baseline is not None else ""
         lines.append(
-            f"validation at step {val['step']}: loss {val['loss']:.4f} nats/token, "
-            f"perplexity {val['ppl']:.3f}{extra}"
+            f"validation at step {val['step']} ({val.get('key')!r}): loss {val['loss']:.4f} "
+            f"nats/token, perplexity {val['ppl']:.3f}{extra}"
         )
-    lines.append(
-        f"sparsity: {sp['sparse_layers']:.2%} of the sparse layers ({len(sp['layers'])} tensors), "
-        f"{sp['model']:.2%} of all {sp['params']:,} parameters ({sp['nonzeros']:,} nonzero)"
-    )
+    if summary.get("stages"):
+        lines.append("stages: " + ", then ".join(_stage_text(st) for st in summary["stages"]))
+    if sp["layers"]:
+        lines.append(
+            f"sparsity at the end: {sp['sparse_layers']:.2%} of the sparse layers "
+            f"({len(sp['layers'])} tensors), {sp['model']:.2%} of all {sp['params']:,} "
+            f"parameters ({sp['nonzeros']:,} nonzero)"
+        )
+    else:
+        lines.append(
+            f"sparsity at the end: no masked layers; {sp['model']:.2%} of all {sp['params']:,} "
+            f"parameters are zero ({sp['nonzeros']:,} nonzero)"
+        )
     if layers and sp["layers"]:
         width = max(len(n) for n in sp["layers"])
         lines += [f"  {name:<{width}}  {s:7.2%}" for name, s in sp["layers"].items()]
@@ -296,7 +415,54 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
             f"  training includes {fl['dense_grad_extra']:.3e} FLOPs of dense weight gradients "
             f"on {fl['dense_grad_steps']} mask-update steps"
         )
+    device = summary.get("device")
+    if device:
+        lines += [
+            f"WSE device ({device['steps']} steps; Linear-layer matmuls, training and validation):",
+            f"  FLOPs executed {device['flops_executed']:.3e} vs {device['flops_dense']:.3e} "
+            f"dense ({_ratio(device['flops_dense'], device['flops_executed']):.2f}x fewer), "
+            f"{device['dense_grad_steps']} steps with dense weight gradients",
+            f"  weights in CSR {device['weight_bytes_csr_both']:,} bytes for training "
+            f"({device['weight_bytes_csr_forward']:,} for inference) vs "
+            f"{device['weight_bytes_dense']:,} dense",
+            f"  CSR rebuilds {device['rebuilds']} ({device['rebuild_seconds']:.2f} s)",
+        ]
     return "\n".join(lines)
+
+
+def _stage_text(stage: dict[str, Any]) -> str:
+    """``sparse 90.0% for steps 0-300`` / ``sparse 50.0% -> 80.0% ...`` / ``dense for ...``."""
+    first, end = stage["steps"]
+    if stage["kind"] == "dense":
+        return f"dense for steps {first}-{end}"
+    start, last = stage["sparsity"]
+    ramp = f" -> {last:.1%}" if f"{start:.1%}" != f"{last:.1%}" else ""
+    return f"sparse {start:.1%}{ramp} for steps {first}-{end}"
+
+
+def _copy(value: list[Any] | None) -> list[Any] | None:
+    return list(value) if value is not None else None
+
+
+def _device_stats(trainer: pl.Trainer) -> dict[str, Any] | None:
+    """Totals of the emulated wafer-scale device's `WSEStats`; ``None`` on other accelerators."""
+    from lightning_sparse.wse.stats import WSEStats  # the device is optional to this module
+
+    stats = getattr(trainer.accelerator, "stats", None)
+    if not isinstance(stats, WSEStats):
+        return None
+    figures = stats.as_dict()
+    return {
+        "steps": stats.steps,
+        "flops_executed": figures["total_flops_executed"],
+        "flops_dense": figures["total_flops_dense"],
+        "dense_grad_steps": stats.dense_grad_steps,
+        "weight_bytes_csr_forward": int(figures["weight_bytes_csr_forward"]),
+        "weight_bytes_csr_both": int(figures["weight_bytes_csr_both"]),
+        "weight_bytes_dense": int(figures["weight_bytes_dense"]),
+        "rebuilds": stats.total_rebuilds,
+        "rebuild_seconds": stats.total_rebuild_seconds,
+    }
 
 
 def attention_dims(module: nn.Module) -> dict[str, int]:

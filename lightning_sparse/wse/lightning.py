@@ -13,8 +13,11 @@ masks by then (``Trainer._run``: ``call._call_setup_hook`` precedes ``strategy.s
 3. adds a `WSEStatsMonitor` callback that closes each optimizer step's statistics and logs them.
 
 ``teardown`` (end of fit/validate/predict) undoes 2 and 3. Without a sparsity callback no layer
-has a mask and training is bit-identical to ``accelerator="cpu"``. `get_device_stats` returns the
-last step's `WSEStats` figures, so Lightning's ``DeviceStatsMonitor`` logs them too.
+has a mask and training is bit-identical to ``accelerator="cpu"``. Each figure is logged once:
+`WSEStatsMonitor` logs ``wse/<key>``, so `get_device_stats` (what Lightning's
+``DeviceStatsMonitor`` logs, under a prefix per hook) returns the CPU's figures only, and the
+`WSEStats` figures too only with ``log_stats=False``. ``setup`` prints one line saying what runs
+on the device.
 
 Strategies. Strategies of the emulated wafer-scale device: one system (``"wse"``) or a cluster
 (``"wse_ddp"``).
@@ -37,6 +40,7 @@ remember:
 
 from __future__ import annotations
 
+import os
 import weakref
 from typing import Any
 
@@ -47,9 +51,10 @@ from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sparse.wse.executor import WSEExecutor, install_executor
-from lightning_sparse.wse.kernels import PATHS
+from lightning_sparse.wse.kernels import PATH_ENV, PATHS
 from lightning_sparse.wse.stats import WSEStats
 
 __all__ = [
@@ -86,7 +91,8 @@ class WSEAccelerator(CPUAccelerator):
         kernel_path: `sparse_linear` path for every layer: "auto" (time the paths once per shape
             and keep the fastest), "compiled", "torch" or "dense"; None follows the
             ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
-        log_stats: log `WSEStats` figures (``wse/...``) through the trainer's loggers.
+        log_stats: log `WSEStats` figures (``wse/...``) through the trainer's loggers; when
+            False, `get_device_stats` returns them instead (for ``DeviceStatsMonitor``).
     """
 
     def __init__(self, kernel_path: str | None = None, log_stats: bool = True) -> None:
@@ -118,6 +124,18 @@ class WSEAccelerator(CPUAccelerator):
             self._monitor = WSEStatsMonitor(self.stats, log=self.log_stats)
             # First, so DeviceStatsMonitor's on_train_batch_end already sees the closed step.
             trainer.callbacks.insert(0, self._monitor)
+        rank_zero_info(self.describe())
+
+    def describe(self) -> str:
+        """One line: how many layers run masked in CSR, and with which kernels."""
+        layers = self.executor.layers if self.executor is not None else []
+        masked = sum(1 for m in layers if getattr(m, "weight_mask", None) is not None)
+        kernels = self.kernel_path or os.environ.get(PATH_ENV) or "auto"
+        how = " (timed per shape, fastest kept)" if kernels == "auto" else ""
+        return (
+            f"lightning-sparse: WSE device: {masked} masked layers in CSR, "
+            f"{len(layers) - masked} Linear layers dense, kernels {kernels}{how}"
+        )
 
     def teardown(self) -> None:
         """Give the model back its `nn.Linear` layers and remove the statistics callback."""
@@ -130,9 +148,13 @@ class WSEAccelerator(CPUAccelerator):
         self._monitor, self._trainer = None, None
 
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
-        """`WSEStats.as_dict`: the last optimizer step's FLOPs and rebuilds, weight memory now,
-        running totals."""
-        return self.stats.as_dict()
+        """The CPU's figures (`CPUAccelerator`), plus `WSEStats.as_dict` (the last optimizer
+        step's FLOPs and rebuilds, weight memory now, running totals) only when the
+        `WSEStatsMonitor` does not log them already (``log_stats=False``)."""
+        stats = super().get_device_stats(device)
+        if not self.log_stats:
+            stats.update(self.stats.as_dict())
+        return stats
 
     @staticmethod
     def name() -> str:
@@ -204,6 +226,7 @@ class WSEStatsMonitor(pl.Callback):
         step = trainer.fit_loop.epoch_loop._batches_that_stepped
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
 
 def _as_wse(accelerator: pl.accelerators.Accelerator | None, kernel_path: str | None) -> Any:
     if accelerator is None or isinstance(accelerator, WSEAccelerator):

@@ -1,7 +1,8 @@
 """`WSEStats`: what the emulated wafer-scale device executed, held and rebuilt.
 
-The executor (`executor.py`) records every matmul of a `WSELinear` here; the accelerator returns
-the figures from `get_device_stats` and logs them once per optimizer step. Pure bookkeeping: no
+The executor (`executor.py`) records every matmul of a `WSELinear` here; the accelerator's
+`WSEStatsMonitor` logs the figures once per optimizer step (``accelerator.stats.as_dict()``
+returns them; `get_device_stats` only with ``log_stats=False``). Pure bookkeeping: no
 tensors, no host syncs (every count is a Python int known from shapes and `CSRWeight.nnz`).
 
 FLOPs count the matmuls of Linear layers only (a multiply-add is 2 FLOPs; bias adds and

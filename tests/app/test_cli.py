@@ -480,3 +480,28 @@ def test_compare_tabulates_and_plots_two_recipes(
     assert [len(r["summary"]["val_curve"]) for r in runs] == [4, 4]  # validation every step
     compare.main(args)  # finished runs are read back, not trained again
     assert capsys.readouterr().out.count("reusing the finished run") == 2
+
+
+def test_compare_lists_wandb_sync_paths_that_work_from_the_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    offline = tmp_path / "cmp/rigl/outputs/rigl_llama/version_0/wandb/offline-run-20261123_1-ab"
+    offline.mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    (command,) = compare.wandb_sync_commands([Path("cmp/rigl"), Path("cmp/dense")])
+    assert command == f"wandb sync {offline.relative_to(tmp_path)}"
+    assert (tmp_path / command.removeprefix("wandb sync ")).is_dir()
+    # The W&B logger's directory is absolute, so W&B's own `wandb sync` line works anywhere.
+    config = Namespace(
+        trainer=Namespace(
+            logger=Namespace(
+                class_path="lightning.pytorch.loggers.WandbLogger",
+                init_args=Namespace(save_dir="outputs/rigl_llama"),
+            ),
+            callbacks=None,
+        ),
+        ckpt_path=None,
+    )
+    cli.plan_run_dir(config)
+    save_dir = Path(config.trainer.logger.init_args.save_dir)
+    assert save_dir == tmp_path / "outputs/rigl_llama/version_0"

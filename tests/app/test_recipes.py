@@ -90,6 +90,9 @@ def test_recipe_trains_tiny_and_summarises(name: str, tmp_path: Path) -> None:
     assert summary["tokens"] == 4 * 4 * 32
     layers = summary["sparsity"]["layers"]
     flops = summary["flops"]
+    kind = "dense" if name == "dense" else "sparse"
+    assert [(s["kind"], s["steps"]) for s in summary["stages"]] == [(kind, [0, 4])]
+    assert summary["val"]["key"] == "val/loss"
     if name == "dense":
         assert layers == {} and summary["algorithms"] == ["dense"]
         assert flops["train"] == flops["train_dense"]

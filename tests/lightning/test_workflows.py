@@ -220,6 +220,8 @@ def test_iterative_pruning_levels_rewind_and_table(tmp_path: Path) -> None:
     assert [r["sparsity"] for r in rows] == sorted(r["sparsity"] for r in rows)
     assert rows[-1]["inference_reduction"] > rows[1]["inference_reduction"] > 1.0
     assert len(imp.table().splitlines()) == 2 + levels + 1
+    title = imp.table().splitlines()[0]  # the scope in words, not a dangling "layer"
+    assert title.endswith("of the remaining weights per level, ranked within each layer")
     assert probe.adam_steps[L + 1] == L + 1  # optimizer state kept by default
 
 

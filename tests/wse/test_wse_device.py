@@ -244,11 +244,11 @@ def test_rebuilds_follow_mask_updates_and_stats_are_logged() -> None:
     trainer.fit(module, token_loader())
     rows = [m for _, m in logger.rows if "wse/rebuilds" in m]
     assert len(rows) == 7
-    # Lightning's DeviceStatsMonitor logs the accelerator's get_device_stats (the closed step).
-    device = [m for _, m in logger.rows if "DeviceStatsMonitor.on_train_batch_end/flops_ratio" in m]
-    assert (
-        len(device) == 7 and 0 < device[-1]["DeviceStatsMonitor.on_train_batch_end/flops_ratio"] < 1
-    )
+    # Each figure once: DeviceStatsMonitor logs the CPU's figures, not the wse/ ones again.
+    keys = {k for _, m in logger.rows for k in m}
+    wse_keys = {k.removeprefix("wse/") for k in keys if k.startswith("wse/")}
+    device_keys = {k.rsplit("/", 1)[1] for k in keys if k.startswith("DeviceStatsMonitor.")}
+    assert wse_keys and device_keys and not wse_keys & device_keys
     # Built at the first step; rebuilt in the step after each update (updates at steps 3, 6).
     assert [r["wse/rebuilds"] for r in rows] == [14, 0, 0, 0, 14, 0, 0]
     dense_grad_steps = [i for i, r in enumerate(rows) if r["wse/flops_dense_weight_grad"] > 0]
@@ -256,6 +256,29 @@ def test_rebuilds_follow_mask_updates_and_stats_are_logged() -> None:
     for r in rows:
         assert r["wse/weight_bytes_ratio_forward"] < r["wse/weight_bytes_ratio_both"] < 1
         assert 0 < r["wse/flops_ratio"] < 1
+
+
+def test_device_line_at_setup_and_statistics_in_the_run_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_sparse.lightning.summary import SparseRunSummary
+
+    summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)
+    trainer = _trainer(_wse(), [ALGORITHMS["rigl"](), summary], max_steps=4)
+    with caplog.at_level("INFO"):
+        trainer.fit(TinyLlamaLM("sgd"), token_loader())
+    assert f"lightning-sparse: WSE device: 14 masked layers in CSR, 1 Linear layers dense, " \
+        f"kernels {PATH}" in caplog.text  # fmt: skip
+    device = summary.summary["device"]  # type: ignore[index]
+    stats = trainer.accelerator.stats
+    assert device["steps"] == 4 and device["rebuilds"] == stats.total_rebuilds > 0
+    assert 0 < device["flops_executed"] < device["flops_dense"]
+    assert 0 < device["weight_bytes_csr_forward"] < device["weight_bytes_csr_both"]
+    assert device["weight_bytes_csr_both"] < device["weight_bytes_dense"]
+    out = capsys.readouterr().out
+    assert "WSE device (4 steps; Linear-layer matmuls, training and validation):" in out
+    assert f"  CSR rebuilds {device['rebuilds']} (" in out
+    assert f"  FLOPs executed {device['flops_executed']:.3e} vs " in out
 
 
 # ------------------------------------------------------------------ checkpoints

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..filters import default_sparse_param_filter, is_dense_by_module
+from ..filters import default_sparse_param_filter, is_dense_by_module, output_head_ids
+from ..layouts import is_in_out
 from ..rng import resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
 from ..shapers import Shaper
@@ -76,7 +77,7 @@ def check_shaper(shaper: object) -> Shaper:
 
 def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
     """Parameters of ``root`` the algorithm's filter picks, in registration order."""
-    tied = tied_parameter_ids(root)
+    tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
     chosen, frozen = [], []
     for candidate in candidates(root):
         if algorithm.param_filter is not None:

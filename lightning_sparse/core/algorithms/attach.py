@@ -110,6 +110,7 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             f"{algorithm.name} is already applied to a model; create a new algorithm object per "
             "model (applying twice would stack masks)"
         )
+    algorithm.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
     for name, module, attr, param in chosen:
         buffer = mask_buffer_name(attr)
         if buffer in module._buffers:
@@ -131,7 +132,8 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             warnings.warn(f"{algorithm.name}: param_filter selected the {param.ndim}-D parameter "
                           f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
                           stacklevel=4)
-        algorithm.shaper.check(param.shape, name)
+        in_out = name in algorithm.in_out_params  # HF Conv1D: shaped as [out, in]
+        algorithm.shaper.check(param.shape[::-1] if in_out else param.shape, name)
     algorithm.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
     algorithm.check_range(algorithm.horizon())
 

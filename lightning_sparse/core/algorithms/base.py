@@ -25,6 +25,7 @@ from .. import report
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
+from ..layouts import as_out_in
 from ..observers import Observers
 from ..per_step import StepHooks
 from ..rng import generator_for
@@ -116,6 +117,9 @@ class SparsityAlgorithm(ABC):
         self.unlogged_update = False
         self.last_update_step = -1
         self.mask_targets: dict[str, float] = {}
+        # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `attach.validate`. The
+        # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
+        self.in_out_params: set[str] = set()
         self._current = ""  # the parameter update_mask works on (name_of)
         self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
@@ -184,10 +188,13 @@ class SparsityAlgorithm(ABC):
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self.seed, 0, name, param.device)
         dense = full(param.detach())
+        in_out = name in self.in_out_params
+        view = dense.t() if in_out else dense
         mask = self.init_method(
-            dense, self.initial_target(name), generator=generator, shaper=self.shaper
+            view, self.initial_target(name), generator=generator, shaper=self.shaper
         )
-        return shard_like(attach.check_mask(mask, dense, name, self.init_method), param)
+        mask = attach.check_mask(mask, view, name, self.init_method)
+        return shard_like(mask.t().contiguous() if in_out else mask, param)
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -261,6 +268,10 @@ class SparsityAlgorithm(ABC):
                 p = full(param.detach())
                 p.grad = full(param.grad) if param.grad is not None else None
             self._current = name
+            if name in self.in_out_params:  # [in, out]: the rule sees [out, in]
+                new = self.update_mask(as_out_in(p), full(sp.mask).t(), targets[name])
+                masks[name] = shard_like(new.t().contiguous(), param)
+                continue
             masks[name] = shard_like(self.update_mask(p, full(sp.mask), targets[name]), param)
         return masks
 

@@ -14,6 +14,7 @@ from lightning_sparse.core.flops import model_flops  # noqa: E402
 from lightning_sparse.core.layouts import is_hf_conv1d  # noqa: E402
 from lightning_sparse.core.shapers import NM, InputGroups, OutputGroups  # noqa: E402
 
+IDS = dict(bos_token_id=0, eos_token_id=0)  # GPT-2's defaults (50256) exceed the tiny vocab
 BERT = dict(
     vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
     intermediate_size=32, max_position_embeddings=32,
@@ -26,7 +27,9 @@ LLAMA = dict(
 
 def gpt2() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32)
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32, **IDS
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -47,7 +50,7 @@ def test_gpt2_conv1d_layers_sparsified_tied_lm_head_dense() -> None:
 
 def test_untied_lm_head_dense_by_structure() -> None:
     config = transformers.GPT2Config(
-        n_layer=1, n_embd=32, n_head=2, vocab_size=128, tie_word_embeddings=False
+        n_layer=1, n_embd=32, n_head=2, vocab_size=128, tie_word_embeddings=False, **IDS
     )
     model = transformers.GPT2LMHeadModel(config)
     model.lm_head.weight = nn.Parameter(torch.randn(128, 32))  # untie for sure
@@ -107,7 +110,9 @@ def test_gpt2_flops_count_conv1d_like_linear() -> None:
 
 @pytest.mark.parametrize("n_layers", [1])
 def test_conv1d_nm_keeps_two_of_four_consecutive_inputs(n_layers: int) -> None:
-    config = transformers.GPT2Config(n_layer=n_layers, n_embd=32, n_head=2, vocab_size=128)
+    config = transformers.GPT2Config(
+        n_layer=n_layers, n_embd=32, n_head=2, vocab_size=128, **IDS
+    )
     model = transformers.GPT2LMHeadModel(config)
     algorithm = Static(sparsity=0.5, shaper=NM(2, 4))
     model.apply(algorithm)

@@ -39,7 +39,12 @@ from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.sparse_parameter import mask_buffer_name
 
 __all__ = [
-    "FlopReport", "MATRIX_KINDS", "conv_output_positions", "model_flops", "transformer_flops",
+    "ConvPositionRecorder",
+    "FlopReport",
+    "MATRIX_KINDS",
+    "conv_output_positions",
+    "model_flops",
+    "transformer_flops",
 ]
 
 MATRIX_KINDS = ("qkv", "attn_out", "ffn", "embedding", "head")
@@ -366,32 +371,46 @@ def model_flops(
     return _report(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
 
 
+class ConvPositionRecorder:
+    """Records ``{Conv2d name: H_out * W_out}`` from the forwards ``model`` runs (forward hooks,
+    first call per module), for :func:`model_flops`'s ``conv_positions``; ``remove()`` ends it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.positions: dict[str, int] = {}
+        self._handles = [
+            module.register_forward_hook(self._recorder(name))
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Conv2d)
+        ]
+
+    def _recorder(self, name: str) -> Callable[[nn.Module, object, torch.Tensor], None]:
+        def record(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
+            if torch.is_tensor(out) and out.ndim >= 3:
+                self.positions.setdefault(name, out.shape[-2] * out.shape[-1])
+
+        return record
+
+    def remove(self) -> None:
+        """Remove the hooks (the positions recorded so far stay)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
 def conv_output_positions(model: nn.Module, *inputs: object) -> dict[str, int]:
     """``{Conv2d name: H_out * W_out}`` measured by one no-grad forward of ``model(*inputs)``.
 
     Pass one example (batch size 1 is enough); the result is :func:`model_flops`'s
     ``conv_positions``.
     """
-    positions: dict[str, int] = {}
-
-    def recorder(name: str) -> Callable[[nn.Module, object, torch.Tensor], None]:
-        def record(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
-            positions.setdefault(name, out.shape[-2] * out.shape[-1])
-
-        return record
-
-    handles = [
-        module.register_forward_hook(recorder(name))
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Conv2d)
-    ]
+    recorder = ConvPositionRecorder(model)
     try:
         with torch.no_grad():
             model(*inputs)
     finally:
-        for handle in handles:
-            handle.remove()
-    return positions
+        recorder.remove()
+    return recorder.positions
 
 
 def _report(

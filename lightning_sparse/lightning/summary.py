@@ -7,10 +7,12 @@ At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
   baseline when the data module exposes its byte corpora;
 - per-layer sparsity (`sparsity_report`);
 - training and inference FLOPs, sparse versus the same model dense (`model_flops`, Chinchilla
-  conventions, see ``flops.py``). Training FLOPs are counted step by step as ``3 x`` the forward
-  FLOPs per token of the masks in force times the tokens trained, so a schedule that changes the
-  sparsity (GraNet) is costed as it ran; algorithms that need dense weight gradients on mask
-  updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on each update step.
+  conventions, see ``flops.py``; a Conv2d costs ``2 * kept * H_out * W_out`` per example, with
+  the output size recorded from the training forwards). Training FLOPs are counted step by step
+  as ``3 x`` the forward FLOPs per token of the masks in force times the tokens trained, so a
+  schedule that changes the sparsity (GraNet) is costed as it ran; algorithms that need dense
+  weight gradients on mask updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on
+  each update step.
 
 During training it logs ``flops/train``, ``flops/train_dense`` and ``tokens`` (cumulative) at the
 trainer's logging interval. Its counters are callback state, so a resumed run continues them.
@@ -31,7 +33,7 @@ from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
-from lightning_sparse.core.flops import FlopReport, model_flops
+from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, model_flops
 from lightning_sparse.core.report import sparsity_report
 
 __all__ = ["SparseRunSummary", "attention_dims", "unigram_cross_entropy"]
@@ -78,11 +80,13 @@ class SparseRunSummary(pl.Callback):
         self._warned = False
         self._seq_len_seen: int | None = None
         self.summary: dict[str, Any] | None = None
-        self._layers = -1
+        self._layers: tuple[int, int] = (-1, -1)  # (sparse tensors, Conv2d sizes known)
 
     # ------------------------------------------------------------------ counting
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        # Conv2d FLOPs scale with the output size the batches produce (flops.model_flops).
+        self._conv = ConvPositionRecorder(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
@@ -102,10 +106,15 @@ class SparseRunSummary(pl.Callback):
             return
         sequences, seq_len = shape
         self._seq_len_seen = seq_len
-        # The sparse layers themselves can change too (densify at a Variable SPDF switch).
-        layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
+        # The sparse layers themselves can change too (densify at a Variable SPDF switch), and
+        # Conv2d output sizes become known with the first forward.
+        conv = getattr(self, "_conv", None)
+        layers = (
+            sum(len(a.sparse_params) for a in algorithms_of(pl_module)),
+            len(conv.positions) if conv is not None else 0,
+        )
         if self._report is None or self._report.seq_len != seq_len or layers != self._layers:
-            self._report = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+            self._report = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
             self._layers = layers
         tokens = sequences * seq_len * self._world_size
         self._pending_sequences += sequences
@@ -159,6 +168,12 @@ class SparseRunSummary(pl.Callback):
         if loss is not None:
             self.val_curve.append([trainer.global_step, float(loss)])
 
+    def _flop_kwargs(self, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Attention dimensions and the Conv2d output sizes seen so far, for `model_flops`."""
+        conv = getattr(self, "_conv", None)
+        positions = dict(conv.positions) if conv is not None else {}
+        return {**attention_dims(pl_module), "conv_positions": positions}
+
     @property
     def train_flops(self) -> float:
         """Sparse training FLOPs so far, dense-gradient extras included."""
@@ -210,12 +225,17 @@ class SparseRunSummary(pl.Callback):
         path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
         self._emit(path, self.summary)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        conv = getattr(self, "_conv", None)
+        if conv is not None:
+            conv.remove()  # the positions recorded stay, for later build() calls
+
     def build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The summary as plain Python values (what ``summary.json`` holds)."""
         report = sparsity_report(pl_module)
         totals = report.totals
         seq_len = self._seq_len_seen or self.seq_len or 1
-        flops = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+        flops = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
         step, loss = self.val_curve[-1] if self.val_curve else (None, None)
         ppl = trainer.callback_metrics.get("val/ppl")
         algorithms = algorithms_of(pl_module)

@@ -3,7 +3,14 @@
 A filter is a callable ``(name, param) -> bool`` over the full dotted parameter name. The default
 follows Cerebras' ``default_sparse_param_filter`` and also decides by module type, so models that
 name things differently (Hugging Face ``embed_tokens`` / ``lm_head``, tied embeddings) come out
-right: weights with ``ndim >= 2`` that are not embeddings, normalisation or the output head.
+right: weights with ``ndim >= 2`` that are not embeddings, normalisation or an output head.
+
+Output heads are found by structure where possible (:func:`output_head_ids`: the module a Hugging
+Face model's ``get_output_embeddings()`` returns; its last projection when that projects to
+``config.num_labels``) and by name: a module named ``lm_head``, ``output_layer``, ``output`` or
+``head``, or one inside a module named ``classifier``, ``score``, ``qa_outputs`` or ``pooler``
+(the Hugging Face sequence-classification, token-classification and question-answering heads,
+and BERT's pooler, which feeds only the classifier).
 """
 
 from __future__ import annotations
@@ -15,11 +22,14 @@ from collections.abc import Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from .layouts import is_hf_conv1d
+
 __all__ = [
     "ParamFilter",
     "default_sparse_param_filter",
     "glob_filter",
     "make_param_filter",
+    "output_head_ids",
     "regex_filter",
 ]
 
@@ -27,6 +37,7 @@ ParamFilter = Callable[[str, torch.Tensor], bool]
 
 _DENSE_NAME_PARTS = ("embed", "norm", "lm_head", "pe_helper")
 _HEAD_LEAF_NAMES = ("lm_head", "output_layer", "output", "head")
+_HEAD_PATH_NAMES = ("classifier", "score", "qa_outputs", "pooler")
 
 
 def default_sparse_param_filter(name: str, param: torch.Tensor | None) -> bool:
@@ -57,10 +68,43 @@ def is_dense_by_module(
         return True
     if "norm" in type(module).__name__.lower():
         return True
-    leaf = module_name.rsplit(".", 1)[-1].lower()
-    if leaf in _HEAD_LEAF_NAMES:
+    parts = module_name.lower().split(".")
+    if parts[-1] in _HEAD_LEAF_NAMES or any(part in _HEAD_PATH_NAMES for part in parts):
         return True
     return id(p) in tied_ids
+
+
+def output_head_ids(root: nn.Module) -> set[int]:
+    """``id``s of the output-head parameters of every Hugging Face model in ``root``.
+
+    For each submodule (``root`` included) with a ``get_output_embeddings`` method (Hugging Face
+    ``PreTrainedModel``): the parameters of the module it returns (``lm_head``), and those of its
+    last ``nn.Linear`` / ``Conv1D`` when that projects to ``config.num_labels`` outputs (the
+    ``classifier`` / ``score`` / ``qa_outputs`` of ``*ForSequenceClassification`` and kin).
+    Models without these (plain ``nn.Module``) contribute nothing. The default filter keeps these
+    dense; add them to ``tied_ids`` of :func:`is_dense_by_module`.
+    """
+    ids: set[int] = set()
+    for module in root.modules():
+        get_head = getattr(module, "get_output_embeddings", None)
+        if not callable(get_head):
+            continue
+        try:
+            head = get_head()
+        except (NotImplementedError, AttributeError):
+            head = None
+        if isinstance(head, nn.Module):
+            ids.update(id(p) for p in head.parameters())
+        num_labels = getattr(getattr(module, "config", None), "num_labels", None)
+        projections = [
+            m for m in module.modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)
+        ]
+        if projections and num_labels is not None:
+            last = projections[-1]
+            out_features = last.weight.shape[1 if is_hf_conv1d(last) else 0]
+            if out_features == num_labels:
+                ids.update(id(p) for p in last.parameters())
+    return ids
 
 
 def glob_filter(patterns: str | Sequence[str]) -> ParamFilter:

@@ -29,15 +29,23 @@ Two entry points share one report: :func:`transformer_flops` (arithmetic from a 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.sparse_parameter import mask_buffer_name
 
-__all__ = ["FlopReport", "MATRIX_KINDS", "model_flops", "transformer_flops"]
+__all__ = [
+    "ConvPositionRecorder",
+    "FlopReport",
+    "MATRIX_KINDS",
+    "conv_output_positions",
+    "model_flops",
+    "transformer_flops",
+]
 
 MATRIX_KINDS = ("qkv", "attn_out", "ffn", "embedding", "head")
 """Keys of a per-kind ``sparsity`` mapping in :func:`transformer_flops`."""
@@ -271,15 +279,23 @@ def model_flops(
     head: str = "lm_head",
     include_embeddings: bool = True,
     include_logits: bool = True,
+    conv_positions: Mapping[str, int] | None = None,
 ) -> FlopReport:
-    """Cost any module tree: its ``nn.Linear`` and ``nn.Embedding`` layers, plus attention.
+    """Cost any module tree: its linear, convolution and embedding layers, plus attention.
 
     Rules (Chinchilla appendix F conventions):
 
-    - each ``nn.Linear`` costs ``2 * kept`` FLOPs per token for its weight (biases ignored);
+    - each ``nn.Linear`` and Hugging Face ``Conv1D`` (GPT-2; a linear layer with its weight
+      stored ``[in, out]``) costs ``2 * kept`` FLOPs per token for its weight (biases ignored);
       ``kept`` is ``sparsity[name]`` if given, else the count of True in the ``<param>_mask``
       buffer on the owning module, else ``numel`` (dense). A tied head finds the mask through the
       shared parameter. Each module counts once, however often the forward calls it.
+    - each ``nn.Conv2d`` costs ``2 * kept * H_out * W_out`` per "token" (one input example:
+      use ``seq_len=1`` for images): every kept weight is one multiply-add at every output
+      position (the usual convention, e.g. Evci et al. 2020, arXiv:1911.11134, appendix H).
+      ``H_out * W_out`` is ``conv_positions[module name]``; without an entry it is 1, i.e. the
+      FLOPs are per output position (the dense/sparse ratio is then exact only when all convs
+      have the same output size; :func:`conv_output_positions` measures them).
     - each ``nn.Embedding`` costs ``2 * num_embeddings * embedding_dim`` per token (dense).
     - attention logits, softmax and values come from ``n_layers``, ``d_model`` and ``n_heads``
       (all three or none): ``n_layers * (4 * seq * d + 3 * heads * seq)`` per token.
@@ -299,13 +315,15 @@ def model_flops(
         head: module name of the output head, dropped from FLOPs when ``include_logits=False``.
         include_embeddings: count embedding FLOPs.
         include_logits: count the head's FLOPs.
+        conv_positions: ``{Conv2d module name: H_out * W_out}``.
 
     Returns:
         The :class:`FlopReport`.
 
     Raises:
         ValueError: bad sizes, unknown parameter names or sparsity outside ``[0, 1)`` in
-            ``sparsity``, a mask on the meta device without a ``sparsity`` entry, a missing head.
+            ``sparsity``, a mask on the meta device without a ``sparsity`` entry, a missing head,
+            a ``conv_positions`` name that is not an ``nn.Conv2d``.
     """
     _check_count("seq_len", seq_len)
     kept = _kept_by_param(model, sparsity or {})
@@ -318,10 +336,22 @@ def model_flops(
             f"include_logits=False but the model has no module named {head!r}; pass "
             "head=<name of the output nn.Linear>."
         )
+    positions = dict(conv_positions or {})
+    for name, value in positions.items():
+        if not isinstance(modules.get(name), nn.Conv2d):
+            raise ValueError(
+                f"conv_positions names {name!r}, which is not an nn.Conv2d of the model; use "
+                "Conv2d module names from model.named_modules() (conv_output_positions does)."
+            )
+        _check_count(f"conv_positions[{name!r}]", value)
     for name, module in modules.items():
-        if isinstance(module, nn.Linear) and (include_logits or name != head):
+        linear = isinstance(module, nn.Linear) or is_hf_conv1d(module)
+        if linear and (include_logits or name != head):
             w = module.weight
             matrices.append((w.numel(), kept.get(id(w), w.numel())))
+        elif isinstance(module, nn.Conv2d):
+            w, hw = module.weight, positions.get(name, 1)
+            matrices.append((w.numel() * hw, kept.get(id(w), w.numel()) * hw))
         elif isinstance(module, nn.Embedding) and include_embeddings:
             other += 2 * module.num_embeddings * module.embedding_dim
 
@@ -339,6 +369,48 @@ def model_flops(
     params = list(model.parameters())
     nonzero = sum(kept.get(id(p), p.numel()) for p in params)
     return _report(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
+
+
+class ConvPositionRecorder:
+    """Records ``{Conv2d name: H_out * W_out}`` from the forwards ``model`` runs (forward hooks,
+    first call per module), for :func:`model_flops`'s ``conv_positions``; ``remove()`` ends it.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.positions: dict[str, int] = {}
+        self._handles = [
+            module.register_forward_hook(self._recorder(name))
+            for name, module in model.named_modules()
+            if isinstance(module, nn.Conv2d)
+        ]
+
+    def _recorder(self, name: str) -> Callable[[nn.Module, object, torch.Tensor], None]:
+        def record(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
+            if torch.is_tensor(out) and out.ndim >= 3:
+                self.positions.setdefault(name, out.shape[-2] * out.shape[-1])
+
+        return record
+
+    def remove(self) -> None:
+        """Remove the hooks (the positions recorded so far stay)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def conv_output_positions(model: nn.Module, *inputs: object) -> dict[str, int]:
+    """``{Conv2d name: H_out * W_out}`` measured by one no-grad forward of ``model(*inputs)``.
+
+    Pass one example (batch size 1 is enough); the result is :func:`model_flops`'s
+    ``conv_positions``.
+    """
+    recorder = ConvPositionRecorder(model)
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    finally:
+        recorder.remove()
+    return recorder.positions
 
 
 def _report(

@@ -11,10 +11,12 @@ At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
   300-360``: measured whenever the masks or the set of masked layers change) and per-layer
   sparsity at the end (`sparsity_report`);
 - training and inference FLOPs, sparse versus the same model dense (`model_flops`, Chinchilla
-  conventions, see ``flops.py``). Training FLOPs are counted step by step as ``3 x`` the forward
-  FLOPs per token of the masks in force times the tokens trained, so a schedule that changes the
-  sparsity (GraNet) is costed as it ran; algorithms that need dense weight gradients on mask
-  updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on each update step.
+  conventions, see ``flops.py``; a Conv2d costs ``2 * kept * H_out * W_out`` per example, with
+  the output size recorded from the training forwards). Training FLOPs are counted step by step
+  as ``3 x`` the forward FLOPs per token of the masks in force times the tokens trained, so a
+  schedule that changes the sparsity (GraNet) is costed as it ran; algorithms that need dense
+  weight gradients on mask updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on
+  each update step.
 
 During training it logs ``flops/train``, ``flops/train_dense`` and ``tokens`` (cumulative) at the
 trainer's logging interval. Its counters are callback state, so a resumed run continues them.
@@ -39,7 +41,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
-from lightning_sparse.core.flops import FlopReport, model_flops
+from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, model_flops
 from lightning_sparse.core.report import sparsity_report
 
 __all__ = ["SparseRunSummary", "attention_dims", "unigram_cross_entropy"]
@@ -88,7 +90,7 @@ class SparseRunSummary(pl.Callback):
         self._warned = False
         self._seq_len_seen: int | None = None
         self.summary: dict[str, Any] | None = None
-        self._layers = -1
+        self._layers: tuple[int, int] = (-1, -1)  # (sparse tensors, Conv2d sizes known)
         # What actually ran: sparsity stages, algorithms, validations.
         self.stages: list[dict[str, Any]] = []
         self.algorithm_names: set[str] = set()
@@ -101,6 +103,8 @@ class SparseRunSummary(pl.Callback):
     # ------------------------------------------------------------------ counting
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        # Conv2d FLOPs scale with the output size the batches produce (flops.model_flops).
+        self._conv = ConvPositionRecorder(pl_module)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._world_size = trainer.world_size
@@ -123,9 +127,12 @@ class SparseRunSummary(pl.Callback):
             return
         sequences, seq_len = shape
         self._seq_len_seen = seq_len
-        if self._report is None or self._report.seq_len != seq_len or layers != self._layers:
-            self._report = model_flops(pl_module, seq_len, **attention_dims(pl_module))
-            self._layers = layers
+        # Conv2d output sizes become known with the first forward.
+        conv = getattr(self, "_conv", None)
+        key = (layers, len(conv.positions) if conv is not None else 0)
+        if self._report is None or self._report.seq_len != seq_len or key != self._layers:
+            self._report = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
+            self._layers = key
         tokens = sequences * seq_len * self._world_size
         self._pending_sequences += sequences
         self.counters["tokens"] += tokens
@@ -215,6 +222,12 @@ class SparseRunSummary(pl.Callback):
         ]
         return list(dict.fromkeys([*keys, *VAL_KEYS]))
 
+    def _flop_kwargs(self, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Attention dimensions and the Conv2d output sizes seen so far, for `model_flops`."""
+        conv = getattr(self, "_conv", None)
+        positions = dict(conv.positions) if conv is not None else {}
+        return {**attention_dims(pl_module), "conv_positions": positions}
+
     @property
     def train_flops(self) -> float:
         """Sparse training FLOPs so far, dense-gradient extras included."""
@@ -281,12 +294,17 @@ class SparseRunSummary(pl.Callback):
         path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
         self._emit(path, self.summary)
 
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        conv = getattr(self, "_conv", None)
+        if conv is not None:
+            conv.remove()  # the positions recorded stay, for later build() calls
+
     def build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The summary as plain Python values (what ``summary.json`` holds)."""
         report = sparsity_report(pl_module)
         totals = report.totals
         seq_len = self._seq_len_seen or self.seq_len or 1
-        flops = model_flops(pl_module, seq_len, **attention_dims(pl_module))
+        flops = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
         step, loss = self.val_curve[-1] if self.val_curve else (None, None)
         key = self._val_key if loss is not None else None
         ppl = trainer.callback_metrics.get(key.replace("loss", "ppl")) if key else None

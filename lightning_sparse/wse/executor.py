@@ -20,10 +20,13 @@ no algorithm, no forward hook.
   RigL/GraNet update step): forward and input gradient stay sparse, and the weight gradient is the
   full dense ``grad_Y^T X`` (the gradient `nn.Linear` gives), for the algorithm to score growth.
 
-Masked modules the device cannot run in CSR (an `nn.Embedding`, a `Conv2d`, an `nn.Linear`
-subclass with its own forward, inputs under autocast or in a dtype other than float32/float64)
-run their usual dense forward on weights that are zero at pruned positions, which is exactly
-masked dense training; each such module warns once.
+Masked modules the device cannot run in CSR (an `nn.Embedding`, a `Conv2d`, Hugging Face's
+GPT-2 ``Conv1D``, an `nn.Linear` subclass with its own forward, inputs under autocast or in a
+dtype other than float32/float64) run their usual dense forward on weights that are zero at
+pruned positions, which is exactly masked dense training; each such module warns once. A masked
+``Conv2d`` or ``Conv1D`` has its matmuls recorded in the statistics as dense (executed = dense
+equivalent, by a forward hook the executor removes with itself), so no FLOP saving is claimed
+for it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
+from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.kernels import (
     PATHS,
@@ -91,6 +95,10 @@ class WSEExecutor:
         self.stats = stats
         self.path = path
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # Masked Conv2d / HF Conv1D modules running dense: their stats hooks, by module.
+        self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -105,6 +113,9 @@ class WSEExecutor:
                 if type(module) is WSELinear:
                     module.__class__ = nn.Linear
         self._layers = weakref.WeakSet()
+        for handle in list(self._dense_hooks.values()):
+            handle.remove()
+        self._dense_hooks = weakref.WeakKeyDictionary()
 
     def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]:
         """Algorithms that sparsify ``module.weight`` (read at each structure rebuild)."""
@@ -133,14 +144,19 @@ class WSEExecutor:
             else:
                 params = set(module._parameters)
                 masks = [k for k in module._buffers if k.endswith("_mask") and k[:-5] in params]
-            if masks:
-                _warn_once(
-                    module,
-                    f"lightning_sparse.wse: {name or type(module).__name__!r} "
-                    f"({type(module).__name__}) has masks {masks} but the WSE runs only "
-                    "nn.Linear weights in CSR; it runs dense on its pruned weights (same numbers "
-                    "as masked dense training, dense FLOPs).",
-                )
+            if not masks:
+                continue
+            counted = isinstance(module, nn.Conv2d) or is_hf_conv1d(module)
+            if counted and module not in self._dense_hooks:
+                self._dense_hooks[module] = module.register_forward_hook(_DenseCounter(self))
+            _warn_once(
+                module,
+                f"lightning_sparse.wse: {name or type(module).__name__!r} "
+                f"({type(module).__name__}) has masks {masks} but the WSE runs only "
+                "nn.Linear weights in CSR; it runs dense on its pruned weights (same numbers "
+                "as masked dense training, dense FLOPs"
+                + (": its FLOP statistics count it as dense, no saving)." if counted else ")."),
+            )
 
     def __repr__(self) -> str:
         return f"WSEExecutor(layers={len(self.layers)}, path={self.path!r})"
@@ -363,6 +379,36 @@ class _BackwardCounter:
                 stats.add_flops("dense_weight_grad", 2 * tokens * numel, 2 * tokens * numel)
             else:
                 stats.add_flops("weight_grad", 2 * tokens * nnz, 2 * tokens * numel)
+
+
+class _DenseCounter:
+    """Forward hook of a masked ``Conv2d`` / HF ``Conv1D`` running dense: records its matmuls
+    in the statistics with executed = dense equivalent (``2 * positions * weight numel`` each;
+    a Conv2d position is one output pixel of one example, a Conv1D position one token)."""
+
+    def __init__(self, executor: WSEExecutor) -> None:
+        self.executor = weakref.ref(executor)
+
+    def __call__(self, module: nn.Module, inputs: tuple[Any, ...], y: Any) -> None:
+        executor = self.executor()
+        if executor is None or not torch.is_tensor(y):
+            return
+        weight = module.weight
+        if isinstance(module, nn.Conv2d):
+            positions = y.numel() // y.shape[-3] if y.ndim >= 3 else 0
+        else:  # Conv1D: [..., out] outputs, weight [in, out]
+            positions = y.numel() // weight.shape[1]
+        numel = weight.numel()
+        x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
+        stats = executor.stats
+        stats.add_flops("forward", 2 * positions * numel, 2 * positions * numel)
+        if y.requires_grad:
+            input_grad = x is not None and x.requires_grad
+            y.register_hook(
+                _BackwardCounter(
+                    stats, positions, numel, numel, input_grad, weight.requires_grad, False
+                )
+            )
 
 
 class _DenseWeightGrad(torch.autograd.Function):

@@ -291,3 +291,25 @@ def test_model_flops_errors():
     assert isinstance(report, FlopReport)
     with pytest.raises(ValueError, match=r"n_updates=-1 must be an integer >= 0"):
         report.extra_dense_grad_flops(-1)
+
+
+def test_conv2d_flops_per_output_position_and_measured() -> None:
+    """Conv2d 3 -> 4 channels, 3x3 kernel (108 weights), 8x8 input, padding 1: 64 outputs."""
+    from lightning_sparse import Static
+    from lightning_sparse.core.flops import conv_output_positions
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.Flatten(),
+                        nn.Linear(256, 10, bias=False))
+    per_position = model_flops(net, 1)
+    assert per_position.dense_forward_flops_per_token == 2 * 108 + 2 * 2560
+    positions = conv_output_positions(net, torch.zeros(1, 3, 8, 8))
+    assert positions == {"0": 64}
+    dense = model_flops(net, 1, conv_positions=positions)
+    assert dense.dense_forward_flops_per_token == 2 * 108 * 64 + 2 * 2560
+    net.apply(Static(sparsity=0.5, param_filter="0.weight"))
+    sparse = model_flops(net, 1, conv_positions=positions)
+    assert sparse.forward_flops_per_token == 2 * 54 * 64 + 2 * 2560
+    assert sparse.inference_reduction > 1.0  # was 1.0: convolutions were not counted
+    with pytest.raises(ValueError, match="conv_positions names '2'.*not an nn.Conv2d"):
+        model_flops(net, 1, conv_positions={"2": 4})

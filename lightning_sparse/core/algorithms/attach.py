@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..filters import default_sparse_param_filter, is_dense_by_module
+from ..filters import default_sparse_param_filter, is_dense_by_module, output_head_ids
+from ..layouts import is_in_out
 from ..rng import generator_for, resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
 from ..shapers import Shaper
@@ -77,7 +78,7 @@ def check_shaper(shaper: object) -> Shaper:
 
 def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
     """Parameters of ``root`` the algorithm's filter picks, in registration order."""
-    tied = tied_parameter_ids(root)
+    tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
     chosen, frozen = [], []
     for candidate in candidates(root):
         if algorithm.param_filter is not None:
@@ -110,6 +111,7 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             f"{algorithm.name} is already applied to a model; create a new algorithm object per "
             "model (applying twice would stack masks)"
         )
+    algorithm.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
     for name, module, attr, param in chosen:
         buffer = mask_buffer_name(attr)
         if buffer in module._buffers:
@@ -131,7 +133,8 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             warnings.warn(f"{algorithm.name}: param_filter selected the {param.ndim}-D parameter "
                           f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
                           stacklevel=4)
-        algorithm.shaper.check(param.shape, name)
+        in_out = name in algorithm.in_out_params  # HF Conv1D: shaped as [out, in]
+        algorithm.shaper.check(param.shape[::-1] if in_out else param.shape, name)
     algorithm.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
     algorithm.check_range(algorithm.horizon())
 
@@ -161,9 +164,12 @@ def initial_mask(algorithm: SparsityAlgorithm, name: str, param: torch.Tensor) -
         return torch.ones_like(param, dtype=torch.bool)
     generator = generator_for(algorithm.seed, 0, name, param.device)
     dense = full(param.detach())
+    in_out = name in algorithm.in_out_params  # GPT-2 Conv1D: shapers see [out, in]
+    view = dense.t() if in_out else dense
     target = algorithm.initial_target(name)
-    mask = algorithm.init_method(dense, target, generator=generator, shaper=algorithm.shaper)
-    return shard_like(check_mask(mask, dense, name, algorithm.init_method), param)
+    mask = algorithm.init_method(view, target, generator=generator, shaper=algorithm.shaper)
+    mask = check_mask(mask, view, name, algorithm.init_method)
+    return shard_like(mask.t().contiguous() if in_out else mask, param)
 
 
 def build_masks(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> list[torch.Tensor]:

@@ -25,6 +25,7 @@ from .. import report
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
+from ..layouts import as_out_in
 from ..observers import Observers
 from ..per_step import StepHooks
 from ..rng import generator_for
@@ -114,6 +115,9 @@ class SparsityAlgorithm(ABC):
         self.unlogged_update = False
         self.last_update_step = -1
         self.mask_targets: dict[str, float] = {}
+        # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `attach.validate`. The
+        # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
+        self.in_out_params: set[str] = set()
         self._current = ""  # the parameter update_mask works on (name_of)
         self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
@@ -233,7 +237,10 @@ class SparsityAlgorithm(ABC):
                 p = full(param.detach())
                 p.grad = full(param.grad) if param.grad is not None else None
             self._current = name
-            masks[name] = shard_like(self.update_mask(p, full(sp.mask), targets[name]), param)
+            flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+            view, mask = (as_out_in(p), full(sp.mask).t()) if flip else (p, full(sp.mask))
+            new = self.update_mask(view, mask, targets[name])
+            masks[name] = shard_like(new.t().contiguous() if flip else new, param)
         return masks
 
     def name_of(self, p: torch.Tensor) -> str:

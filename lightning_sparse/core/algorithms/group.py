@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..filters import ParamFilter, make_param_filter
+from ..filters import ParamFilter, make_param_filter, output_head_ids
 from ..observers import SparsityHook, UpdateHook
 from ..rng import resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
@@ -131,7 +131,7 @@ class Group:
 
     def route(self, root: nn.Module) -> list[list[Candidate]]:
         """The candidates of ``root`` each member gets (first matching filter wins)."""
-        tied = tied_parameter_ids(root)
+        tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
         routed: list[list[Candidate]] = [[] for _ in self.members]
         for candidate in candidates(root):
             for i, (param_filter, algorithm) in enumerate(self.members):

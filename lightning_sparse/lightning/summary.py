@@ -463,24 +463,10 @@ def _copy(value: list[Any] | None) -> list[Any] | None:
 
 
 def _device_stats(trainer: pl.Trainer) -> dict[str, Any] | None:
-    """Totals of the emulated wafer-scale device's `WSEStats`; ``None`` on other accelerators."""
-    from lightning_sparse.wse.stats import WSEStats  # the device is optional to this module
-
-    stats = getattr(trainer.accelerator, "stats", None)
-    if not isinstance(stats, WSEStats):
-        return None
-    figures = stats.as_dict()
-    return {
-        "steps": stats.steps,
-        "flops_executed": figures["total_flops_executed"],
-        "flops_dense": figures["total_flops_dense"],
-        "dense_grad_steps": stats.dense_grad_steps,
-        "weight_bytes_csr_forward": int(figures["weight_bytes_csr_forward"]),
-        "weight_bytes_csr_both": int(figures["weight_bytes_csr_both"]),
-        "weight_bytes_dense": int(figures["weight_bytes_dense"]),
-        "rebuilds": stats.total_rebuilds,
-        "rebuild_seconds": stats.total_rebuild_seconds,
-    }
+    """The accelerator's own run totals (``summary_figures()``, e.g. the emulated wafer-scale
+    device's); ``None`` on accelerators without them. Duck-typed: this layer is below the device."""
+    figures = getattr(trainer.accelerator, "summary_figures", None)
+    return figures() if callable(figures) else None
 
 
 def attention_dims(module: nn.Module) -> dict[str, int]:

@@ -147,6 +147,21 @@ class WSEAccelerator(CPUAccelerator):
             trainer.callbacks = [c for c in trainer.callbacks if c is not self._monitor]
         self._monitor, self._trainer = None, None
 
+    def summary_figures(self) -> dict[str, Any]:
+        """Run totals for `SparseRunSummary`'s device block (it reads them duck-typed)."""
+        stats, figures = self.stats, self.stats.as_dict()
+        return {
+            "steps": stats.steps,
+            "flops_executed": figures["total_flops_executed"],
+            "flops_dense": figures["total_flops_dense"],
+            "dense_grad_steps": stats.dense_grad_steps,
+            "weight_bytes_csr_forward": int(figures["weight_bytes_csr_forward"]),
+            "weight_bytes_csr_both": int(figures["weight_bytes_csr_both"]),
+            "weight_bytes_dense": int(figures["weight_bytes_dense"]),
+            "rebuilds": stats.total_rebuilds,
+            "rebuild_seconds": stats.total_rebuild_seconds,
+        }
+
     def get_device_stats(self, device: _DEVICE) -> dict[str, Any]:
         """The CPU's figures (`CPUAccelerator`), plus `WSEStats.as_dict` (the last optimizer
         step's FLOPs and rebuilds, weight memory now, running totals) only when the

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 from urllib.parse import urlparse
 
 from jsonargparse import Namespace
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, ModelSummary, RichModelSummary
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -128,6 +128,7 @@ class SparseCLI(LightningCLI):
                 "fix the recipe value named above (or its command-line override)"
             )
             raise
+        plain_model_summary(self.trainer.callbacks)
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
             for callback in self.trainer.callbacks:
@@ -337,6 +338,15 @@ class _NoZeroFlops(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.msg = drop_zero_flops(str(record.msg))
         return True
+
+
+def plain_model_summary(callbacks: list[Any]) -> None:
+    """Swap Lightning's rich model summary (chosen when ``rich`` is installed) for the plain one,
+    in place: the rich table always shows a FLOPs column, 0 here (`drop_zero_flops` filters the
+    plain one; the run summary reports the sparse FLOPs)."""
+    for i, callback in enumerate(callbacks):
+        if type(callback) is RichModelSummary:
+            callbacks[i] = ModelSummary(max_depth=callback._max_depth)
 
 
 def drop_zero_flops(table: str) -> str:

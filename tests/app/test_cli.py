@@ -505,3 +505,14 @@ def test_compare_lists_wandb_sync_paths_that_work_from_the_cwd(
     cli.plan_run_dir(config)
     save_dir = Path(config.trainer.logger.init_args.save_dir)
     assert save_dir == tmp_path / "outputs/rigl_llama/version_0"
+
+
+def test_rich_model_summary_becomes_the_plain_one_without_flops() -> None:
+    """With ``rich`` installed Lightning picks RichModelSummary, whose table always has a FLOPs
+    column (0 here); the CLI swaps it for the plain summary, which `drop_zero_flops` filters."""
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
+    callbacks = [RichModelSummary(max_depth=3)]
+    cli.plain_model_summary(callbacks)
+    assert type(callbacks[0]) is ModelSummary and callbacks[0]._max_depth == 3

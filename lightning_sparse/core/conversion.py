@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sparse.core.algorithms import algorithms_of
+from .algorithms import algorithms_of
 
 __all__ = ["convert_nan_checkpoint", "densify"]
 

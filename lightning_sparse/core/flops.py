@@ -35,8 +35,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from lightning_sparse.core.layouts import is_hf_conv1d
-from lightning_sparse.core.sparse_parameter import mask_buffer_name
+from .layouts import is_hf_conv1d
+from .sparse_parameter import mask_buffer_name
 
 __all__ = [
     "ConvPositionRecorder",

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sparse.core.algorithms.base import SparsityAlgorithm
-from lightning_sparse.core.configure import configure
-from lightning_sparse.core.filters import ParamFilter
+from .algorithms.base import SparsityAlgorithm
+from .configure import configure
+from .filters import ParamFilter
 
 __all__ = ["SparsityWrapperOptimizer", "configure_sparsity_wrapper"]
 

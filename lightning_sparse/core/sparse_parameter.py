@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_sparse.core.masking import zero_pruned_
-from lightning_sparse.core.sharding import full
+from .masking import zero_pruned_
+from .sharding import full
 
 __all__ = ["SparseParameter", "mask_buffer_name"]
 

@@ -106,6 +106,25 @@ def assert_pruned_zero(setup: Setup, target: float) -> None:
                 assert torch.count_nonzero(value[~sp.mask]) == 0, f"{name} {key}"
 
 
+def assert_inf_at_batch_2(records: list, where: str) -> list[int]:
+    """Per-batch ``(step, masks, scale)`` records of a run whose batch 2 had an inf gradient at a
+    ``kept`` or ``pruned`` position: a kept inf skips the step and its mask update; a pruned one
+    is masked away. Returns the recorded steps."""
+    steps = [r[0] for r in records]
+    scales = [r[2] for r in records]
+    masks = [r[1] for r in records]
+    if where == "kept":
+        assert steps == [1, 2, 2, 3, 4], "the skipped batch must not advance sparsity.step"
+        assert scales[2] == scales[1] * 0.5
+        assert equal_dicts(masks[2], masks[1]), "the skipped step changed a mask"
+        assert not equal_dicts(masks[3], masks[2]), "the next clean step changed no mask"
+    else:
+        assert steps == [1, 2, 3, 4, 5]
+        assert scales[2] == scales[1]
+        assert not equal_dicts(masks[2], masks[1]), "the update of batch 2 did not run"
+    return steps
+
+
 def equal_dicts(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -307,17 +326,6 @@ def test_lightning_fp16_scaler_inf_gradient(where: str) -> None:
     module.inject = (2, index)  # batch 2: after two clean steps (the second one updates)
     fit(module, sparsity, max_steps=5, plugins=[MixedPrecision("16-mixed", "cpu")])
 
-    steps = [r[0] for r in module.records]
-    scales = [r[2] for r in module.records]
-    masks = [r[1] for r in module.records]
-    if where == "kept":
-        assert steps == [1, 2, 2, 3, 4], "the skipped batch must not advance sparsity.step"
-        assert scales[2] == scales[1] * 0.5
-        assert equal_dicts(masks[2], masks[1]), "the skipped step changed a mask"
-        assert not equal_dicts(masks[3], masks[2]), "the next clean step changed no mask"
-    else:
-        assert steps == [1, 2, 3, 4, 5]
-        assert scales[2] == scales[1]
-        assert not equal_dicts(masks[2], masks[1]), "the update of batch 2 did not run"
+    steps = assert_inf_at_batch_2(module.records, where)
     assert sparsity.step == steps[-1]
     assert_module_sparse(module, sparsity, 0.5, module.trainer.optimizers[0])

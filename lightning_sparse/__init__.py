@@ -25,7 +25,9 @@ _CORE = (
     "convert_nan_checkpoint",
     "default_sparse_param_filter",
     "densify",
+    "restore_masks",
     "sparsity_report",
+    "strip_masks",
 )
 _LIGHTNING = (
     "GMP",

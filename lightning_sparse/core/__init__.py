@@ -26,6 +26,7 @@ from .filters import default_sparse_param_filter
 from .legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from .report import SparsityReport, sparsity_report
 from .sparse_parameter import SparseParameter
+from .state_dict import restore_masks, strip_masks
 
 __all__ = [
     "GMP",
@@ -49,5 +50,7 @@ __all__ = [
     "densify",
     "load_sparsity_block",
     "register_algorithm",
+    "restore_masks",
     "sparsity_report",
+    "strip_masks",
 ]

@@ -15,16 +15,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_sparse.core.state_dict import mask_keys
+
 __all__ = ["LoadWeights", "drop_mask_entries"]
 
 
 def drop_mask_entries(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``state_dict`` without the ``<param>_mask`` entries of its parameters."""
-    return {
-        key: value
-        for key, value in state_dict.items()
-        if not (key.endswith("_mask") and key[: -len("_mask")] in state_dict)
-    }
+    masks = mask_keys(state_dict)
+    return {key: value for key, value in state_dict.items() if key not in masks}
 
 
 class LoadWeights(pl.Callback):

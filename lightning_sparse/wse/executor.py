@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.layouts import is_hf_conv1d
+from lightning_sparse.core.state_dict import restore_masks
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.kernels import (
     PATHS,
@@ -477,42 +478,8 @@ def on_wse(
         executor.remove()
 
 
-def register_masks(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """Register the ``<param>_mask`` buffers a sparse state dict has and ``model`` lacks.
-
-    After this, ``model.load_state_dict(state_dict)`` loads the masks with the weights, so a
-    sparse checkpoint runs in CSR for inference without re-creating its sparsity algorithm.
-
-    Args:
-        model: the module the state dict belongs to (a LightningModule for a Lightning
-            checkpoint's ``state_dict``).
-        state_dict: holds ``<name>`` and ``<name>_mask`` entries.
-
-    Returns:
-        The mask keys registered, in state-dict order.
-
-    Raises:
-        ValueError: if a mask's shape differs from its parameter's.
-    """
-    params = dict(model.named_parameters())
-    added = []
-    for key, value in state_dict.items():
-        name = key[: -len("_mask")]
-        if not key.endswith("_mask") or name not in params:
-            continue
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        if f"{attr}_mask" in module._buffers:
-            continue
-        if tuple(value.shape) != tuple(params[name].shape):
-            raise ValueError(
-                f"mask {key!r} has shape {tuple(value.shape)} but {name!r} has shape "
-                f"{tuple(params[name].shape)}; the state dict is from another model"
-            )
-        mask = torch.zeros(params[name].shape, dtype=torch.bool, device=params[name].device)
-        module.register_buffer(f"{attr}_mask", mask, persistent=True)
-        added.append(key)
-    return added
+register_masks = restore_masks
+"""Alias of `lightning_sparse.core.state_dict.restore_masks` (its older name here)."""
 
 
 def _owner(module: nn.Module) -> WSEExecutor | None:

@@ -48,7 +48,9 @@ _LIGHTNING = (
     "VariableSPDF",
     "configure",
 )
-__all__ = sorted((*_CORE, *_LIGHTNING))
+_INTEGRATIONS = {"export": "lightning_sparse.integrations.export"}
+"""Names whose module needs the optional ``[hf]`` extra; importing them without it says so."""
+__all__ = sorted((*_CORE, *_LIGHTNING, *_INTEGRATIONS))
 
 
 def __getattr__(name: str) -> Any:
@@ -57,6 +59,8 @@ def __getattr__(name: str) -> Any:
     if name in _LIGHTNING:
         importlib.import_module("lightning_sparse.wse")  # registers the device with Lightning
         return getattr(importlib.import_module("lightning_sparse.lightning"), name)
+    if name in _INTEGRATIONS:
+        return getattr(importlib.import_module(_INTEGRATIONS[name]), name)
     raise AttributeError(f"module 'lightning_sparse' has no attribute {name!r}")
 
 

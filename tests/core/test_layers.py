@@ -18,7 +18,8 @@ ALLOWED = {
     "models": {"core", "lightning"},
     "data": {"core", "lightning"},
     "wse": {"core", "lightning"},
-    "app": {"core", "lightning", "wse", "models", "data", "recipes"},
+    "integrations": {"core", "lightning", "models"},
+    "app": {"core", "lightning", "wse", "models", "data", "recipes", "integrations"},
 }
 THIRD_PARTY_FORBIDDEN = {"core": {"lightning", "pytorch_lightning", "jsonargparse", "wandb"}}
 

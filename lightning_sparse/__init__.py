@@ -47,6 +47,8 @@ _LIGHTNING = (
     "Static",
     "VariableSPDF",
     "configure",
+    "SparseLoadingMixin",
+    "restore_checkpoint_masks",
 )
 _INTEGRATIONS = {"export": "lightning_sparse.integrations.export"}
 """Names whose module needs the optional ``[hf]`` extra; importing them without it says so."""

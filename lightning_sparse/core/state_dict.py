@@ -84,7 +84,7 @@ def restore_masks(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
 
     Raises:
         ValueError: a mask's shape differs from its parameter's (the state dict is from another
-            model); nothing was registered.
+            model), or a non-bool mask holds values other than 0/1; nothing was registered.
     """
     params = dict(model.named_parameters())
     todo: list[tuple[nn.Module, str, str, torch.Tensor]] = []
@@ -96,10 +96,17 @@ def restore_masks(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
         if mask_buffer_name(attr) in module._buffers:
             continue
         mask, param = state_dict[key], params[name]
-        if tuple(mask.shape) != tuple(param.shape):
+        if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(param.shape):
+            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
             raise ValueError(
-                f"mask {key!r} has shape {tuple(mask.shape)} but {name!r} has shape "
-                f"{tuple(param.shape)}; the state dict is from another model"
+                f"mask {key!r} has shape {shape} but {name!r} has shape "
+                f"{tuple(param.shape)}; the state dict is from another model (load it into the "
+                "model it was saved from)"
+            )
+        if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                f"mask {key!r} holds values other than 0/1 (dtype {mask.dtype}); a mask is bool "
+                "or 0/1, True = kept: pass the state dict the sparse model saved"
             )
         todo.append((module, mask_buffer_name(attr), key, mask.to(param.device, torch.bool)))
     for module, buffer_name, _, mask in todo:

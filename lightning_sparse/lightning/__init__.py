@@ -19,6 +19,7 @@ from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
 from lightning_sparse.lightning.flop_counter import FlopCounter, FlopSegment
 from lightning_sparse.lightning.imp import IterativePruning, imp_sparsity, rewind_lr_scheduler
 from lightning_sparse.lightning.load_weights import LoadWeights, drop_mask_entries
+from lightning_sparse.lightning.loading import SparseLoadingMixin, restore_checkpoint_masks
 from lightning_sparse.lightning.spdf import VariableSPDF
 from lightning_sparse.lightning.summary import SparseRunSummary
 
@@ -46,4 +47,6 @@ __all__ = [
     "drop_mask_entries",
     "imp_sparsity",
     "rewind_lr_scheduler",
+    "SparseLoadingMixin",
+    "restore_checkpoint_masks",
 ]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
 
 
@@ -128,6 +129,12 @@ class LitCausalLM(L.LightningModule):
         return generate(
             self.model, prompt, hp.max_new_tokens, hp.max_seq_len, hp.temperature, hp.top_k
         )
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Register the sparse checkpoint's masks before Lightning loads its ``state_dict``, so
+        ``load_from_checkpoint`` and ``ckpt_path=`` work without a sparsity callback (a callback
+        in the Trainer has applied its algorithm already, which then loads the masks itself)."""
+        restore_checkpoint_masks(self, checkpoint)
 
     def configure_optimizers(self) -> dict:
         """AdamW with decay on matrices only, and a per-step warmup-cosine LambdaLR."""

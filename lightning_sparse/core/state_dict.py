@@ -1,4 +1,4 @@
-"""Sparse state dicts in and out: `strip_masks` (mask-free, for any dense model) and `restore_masks`.
+"""Sparse state dicts in and out: `strip_masks` (mask-free, for a dense model), `restore_masks`.
 
 A sparse model's ``state_dict()`` holds ``<param>_mask`` bool entries next to the parameters
 (`SparseParameter`). A model without those buffers refuses them ("Unexpected key(s)"):

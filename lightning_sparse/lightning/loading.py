@@ -79,4 +79,3 @@ class SparseLoadingMixin:
         """Register the checkpoint's masks (`restore_checkpoint_masks`), then the next hook."""
         restore_checkpoint_masks(self, checkpoint)  # type: ignore[arg-type]
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]
-

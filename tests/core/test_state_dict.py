@@ -16,7 +16,9 @@ SPARSE = ("fc1.weight", "fc2.weight")
 TOKENS = torch.randint(0, 16, (4, 8), generator=torch.Generator().manual_seed(1))
 
 
-def sparse_net(seed: int, steps: int, algorithm: str = "rigl") -> tuple[TinyNet, torch.optim.Optimizer]:
+def sparse_net(
+    seed: int, steps: int, algorithm: str = "rigl"
+) -> tuple[TinyNet, torch.optim.Optimizer]:
     """A TinyNet 50% sparse (fc1, fc2) trained ``steps`` AdamW steps; RigL updates its masks
     after every step but the last (``stop=steps``), so the next step is no update step."""
     torch.manual_seed(seed)
@@ -68,7 +70,8 @@ def test_strip_masks_loads_into_a_dense_model_and_leaves_the_live_model(trained)
     assert list(stripped) == [k for k in state if not k.endswith("_mask")]
     for name in SPARSE:
         mask = state[f"{name}_mask"]
-        assert not mask.all() and torch.equal(stripped[name][~mask], torch.zeros(int((~mask).sum())))
+        assert not mask.all()
+        assert torch.equal(stripped[name][~mask], torch.zeros(int((~mask).sum())))
         assert stripped[name].data_ptr() != net.get_parameter(name).data_ptr()  # a copy
     dense = TinyNet()
     dense.load_state_dict(stripped)  # strict
@@ -103,8 +106,11 @@ def test_restore_masks_refuses_a_wrong_shape_before_registering_anything(trained
     _, state, _ = trained
     bad = dict(state, **{"fc2.weight_mask": torch.ones(3, 5, dtype=torch.bool)})
     fresh = TinyNet()
-    with pytest.raises(ValueError, match=r"'fc2.weight_mask' has shape \(3, 5\) but 'fc2.weight'"
-                                         r" has shape \(24, 40\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'fc2.weight_mask' has shape \(3, 5\) but 'fc2.weight'"
+        r" has shape \(24, 40\)",
+    ):
         restore_masks(fresh, bad)
     assert not any(name.endswith("_mask") for name, _ in fresh.named_buffers())  # fc1 neither
 

@@ -79,8 +79,13 @@ def sparse_ckpt(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     state = torch.load(path, weights_only=False)["state_dict"]
     initial = SparseEvalLM()  # the masks moved away from the initial ones: loading matters
     assert any(not torch.equal(v, state[k]) for k, v in model_masks(_applied(initial)).items())
-    return {"path": path, "state": state, "val": val["val/loss"], "logits": logits,
-            "predicted": predicted}
+    return {
+        "path": path,
+        "state": state,
+        "val": val["val/loss"],
+        "logits": logits,
+        "predicted": predicted,
+    }
 
 
 def _applied(module: nn.Module) -> nn.Module:
@@ -114,8 +119,13 @@ def test_trainer_ckpt_path(sparse_ckpt: dict[str, Any], stage: str, with_callbac
 
 
 def test_a_module_without_the_mixin(sparse_ckpt: dict[str, Any]) -> None:
-    """What docs/workflows.md tells a plain module: strict loading refuses the masks;
-    ``strict_loading = False`` or `strip_masks` load the (pruned) weights without masks."""
+    """What docs/workflows.md tells a plain module: with the callback ``ckpt_path=`` works;
+    without it strict loading refuses the masks, and ``strict_loading = False`` or `strip_masks`
+    load the (pruned) weights without masks."""
+    module, path = EvalLM(), sparse_ckpt["path"]
+    out = trainer(callbacks=[rigl()]).validate(module, token_loader(), ckpt_path=path)
+    assert_loaded(module, sparse_ckpt["state"])
+    assert out[0]["val/loss"] == sparse_ckpt["val"]
     with pytest.raises(RuntimeError, match=r"Unexpected key\(s\).*weight_mask"):
         trainer(callbacks=[]).validate(EvalLM(), token_loader(), ckpt_path=sparse_ckpt["path"])
     module = EvalLM()
@@ -143,9 +153,9 @@ def test_with_a_callback_the_algorithm_checks_the_masks_not_the_mixin(sparse_ckp
     """A callback sparsifying fewer parameters than the checkpoint refuses it, and the mixin has
     registered nothing for the parameter the callback leaves dense."""
     callback = RigL(0.5, update={"freq": 2}, seed=0, param_filter=["net.fc1.*"])
-    module = SparseEvalLM()
+    module, path = SparseEvalLM(), sparse_ckpt["path"]
     with pytest.raises(ValueError, match=r"masks for \['net.fc2.weight_mask'\]"):
-        trainer(callbacks=[callback]).validate(module, token_loader(), ckpt_path=sparse_ckpt["path"])
+        trainer(callbacks=[callback]).validate(module, token_loader(), ckpt_path=path)
     assert "weight_mask" not in module.net.fc2._buffers
 
 
@@ -159,8 +169,11 @@ def test_a_wrong_mask_shape_is_refused_before_anything_changes(sparse_ckpt) -> N
     checkpoint["state_dict"]["net.fc2.weight_mask"] = torch.ones(2, 3, dtype=torch.bool)
     before = dict(checkpoint["state_dict"])
     module = SparseEvalLM()
-    with pytest.raises(ValueError, match=r"'net.fc2.weight_mask' has shape \(2, 3\) but "
-                                         r"'net.fc2.weight' has shape \(24, 40\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"'net.fc2.weight_mask' has shape \(2, 3\) but "
+        r"'net.fc2.weight' has shape \(24, 40\)",
+    ):
         module.on_load_checkpoint(checkpoint)
     assert not model_masks(module)
     assert all(checkpoint["state_dict"][k] is v for k, v in before.items())

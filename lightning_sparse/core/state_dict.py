@@ -35,6 +35,24 @@ def mask_keys(state_dict: Mapping[str, Any]) -> dict[str, str]:
     }
 
 
+def _check_mask(key: str, mask: Any, name: str, shape: tuple[int, ...], fix: str) -> torch.Tensor:
+    """``mask`` as bool, or a ``ValueError`` naming ``key`` and both shapes (a wrong shape, not a
+    tensor) or the values (a non-bool mask holding anything but 0/1); ``fix`` ends the message."""
+    if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(shape):
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        raise ValueError(
+            f"mask {key!r} has shape {got} but {name!r} has shape {tuple(shape)}; {fix}"
+        )
+    if mask.dtype != torch.bool:
+        if not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(
+                f"mask {key!r} holds values other than 0/1 (dtype {mask.dtype}); a "
+                f"mask is bool or 0/1, True = kept: {fix}"
+            )
+        mask = mask.to(torch.bool)
+    return mask
+
+
 def strip_masks(source: nn.Module | Mapping[str, Any]) -> dict[str, Any]:
     """A mask-free copy of a sparse state dict: no ``*_mask`` entries, pruned weights zero.
 
@@ -46,7 +64,7 @@ def strip_masks(source: nn.Module | Mapping[str, Any]) -> dict[str, Any]:
         values with pruned positions set to +0.0); every other value is the source's own.
 
     Raises:
-        ValueError: a mask's shape differs from its weight's.
+        ValueError: a mask's shape differs from its weight's, or it is not 0/1.
     """
     state = source.state_dict() if isinstance(source, nn.Module) else source
     masks = mask_keys(state)
@@ -56,13 +74,9 @@ def strip_masks(source: nn.Module | Mapping[str, Any]) -> dict[str, Any]:
         if key in masks:
             continue
         if key in weights:
-            mask = state[weights[key]]
-            if tuple(mask.shape) != tuple(value.shape):
-                raise ValueError(
-                    f"mask {weights[key]!r} has shape {tuple(mask.shape)} but {key!r} has shape "
-                    f"{tuple(value.shape)}; the state dict is corrupt or mixes two models"
-                )
-            value = zero_pruned_(value.detach().clone(), mask.to(value.device, torch.bool))
+            fix = "the state dict is corrupt or mixes two models"
+            mask = _check_mask(weights[key], state[weights[key]], key, value.shape, fix)
+            value = zero_pruned_(value.detach().clone(), mask.to(value.device))
         out[key] = value
     return out
 
@@ -95,20 +109,9 @@ def restore_masks(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
         module = model.get_submodule(module_name)
         if mask_buffer_name(attr) in module._buffers:
             continue
-        mask, param = state_dict[key], params[name]
-        if not torch.is_tensor(mask) or tuple(mask.shape) != tuple(param.shape):
-            shape = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-            raise ValueError(
-                f"mask {key!r} has shape {shape} but {name!r} has shape "
-                f"{tuple(param.shape)}; the state dict is from another model (load it into the "
-                "model it was saved from)"
-            )
-        if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(
-                f"mask {key!r} holds values other than 0/1 (dtype {mask.dtype}); a mask is bool "
-                "or 0/1, True = kept: pass the state dict the sparse model saved"
-            )
-        todo.append((module, mask_buffer_name(attr), key, mask.to(param.device, torch.bool)))
+        fix = "load the state dict into the model it was saved from"
+        mask = _check_mask(key, state_dict[key], name, params[name].shape, fix)
+        todo.append((module, mask_buffer_name(attr), key, mask.to(params[name].device)))
     for module, buffer_name, _, mask in todo:
         module.register_buffer(buffer_name, mask.clone(), persistent=True)
     return [key for _, _, key, _ in todo]

@@ -91,6 +91,16 @@ def test_strip_masks_zeroes_pruned_weights_without_touching_the_source() -> None
     assert torch.isnan(weight[1, 0]) and weight[0, 1] == -2.0  # the source keeps its values
 
 
+def test_strip_masks_refuses_a_corrupt_mask_naming_it() -> None:
+    weight = torch.ones(2, 2)
+    with pytest.raises(ValueError, match=r"'w_mask' has shape \(4,\) but 'w' has shape \(2, 2\)"):
+        strip_masks({"w": weight, "w_mask": torch.ones(4, dtype=torch.bool)})
+    with pytest.raises(ValueError, match="'w_mask' holds values other than 0/1"):
+        strip_masks({"w": weight, "w_mask": torch.full((2, 2), 0.5)})
+    out = strip_masks({"w": weight, "w_mask": torch.tensor([[1.0, 0.0], [0.0, 1.0]])})
+    assert torch.equal(out["w"], torch.eye(2))
+
+
 def test_restore_masks_then_load_gives_the_sparse_model(trained) -> None:
     _, state, logits = trained
     fresh = TinyNet()

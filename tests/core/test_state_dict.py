@@ -158,3 +158,36 @@ def test_load_into_a_sparse_model_then_a_step_keeps_the_loaded_masks(trained, al
             if value.shape == param.shape:
                 assert not value[~state[f"{name}_mask"]].any(), name
         assert param.detach()[newly_pruned[name]].eq(0).all()
+
+
+def test_an_algorithm_replaces_restored_masks_and_from_zeros_keeps_their_pattern(trained) -> None:
+    """Masks no algorithm owns (restored from a checkpoint) are replaced, not refused."""
+    _, state, _ = trained
+    torch.manual_seed(5)
+    fresh = TinyNet()
+    restore_masks(fresh, state)
+    fresh.load_state_dict(state)
+    sparsity = Static(0.5, param_filter=["fc*.weight"], init_method="from_zeros")
+    fresh.apply(sparsity)
+    assert sorted(sparsity.sparse_params) == sorted(SPARSE)
+    assert_sparse_like(fresh, state)
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    sparsity.apply(optimizer)
+    fresh(TOKENS).square().mean().backward()
+    optimizer.step()
+    assert_sparse_like(fresh, state)  # the algorithm now owns and enforces the loaded pattern
+
+
+def test_a_deep_copy_of_a_sparse_model_takes_a_new_algorithm_but_an_owned_mask_is_refused(
+    trained,
+) -> None:
+    import copy
+
+    net, state, _ = trained
+    twin = copy.deepcopy(net)  # carries the masks; no algorithm owns the copy's
+    sparsity = Static(0.5, param_filter=["fc*.weight"], init_method="from_zeros")
+    twin.apply(sparsity)
+    assert_sparse_like(twin, state)
+    with pytest.raises(RuntimeError, match="already has a mask"):
+        twin.apply(Static(0.3, param_filter=["fc*.weight"]))
+    assert_sparse_like(twin, state)

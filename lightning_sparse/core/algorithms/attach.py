@@ -3,8 +3,12 @@
 ``apply(model)`` either sparsifies every selected parameter or raises, before the model changed,
 naming the parameter, the rule and the fix: parameters that are not floating point, shapes the
 shaper cannot structure, init-method masks of the wrong shape, dtype or count, masks already
-present, ``requires_dense`` parameters. Modification registers buffers and hooks first (undone
-on failure) and prunes the weights last.
+owned by another algorithm, ``requires_dense`` parameters. Modification registers buffers and
+hooks first (undone on failure) and prunes the weights last.
+
+Masks no algorithm owns (restored from a checkpoint by `restore_masks` or the loading mixin, or
+carried by a deep copy) are replaced by the new algorithm's initial masks; ``init_method="topk"``
+chooses them from the loaded weights, whose pruned positions are zeros.
 
 Frozen parameters (``requires_grad=False``): the default filter leaves them dense (logged once);
 one selected explicitly keeps a fixed mask: pruned at ``apply``, never updated, still re-pruned
@@ -104,6 +108,16 @@ def default_selects(candidate: Candidate, tied: set[int]) -> bool:
     return not is_dense_by_module(module, module_name, tied, param)
 
 
+def owned_masks() -> set[tuple[int, str]]:
+    """``(id(module), mask buffer name)`` of every mask an applied algorithm owns."""
+    return {
+        (id(sp.module), sp.mask_name)
+        for applied in list(_APPLIED.values())
+        for algorithm in applied
+        for sp in algorithm.sparse_params.values()
+    }
+
+
 def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
     """Raise, before anything is modified, if ``chosen`` cannot be sparsified by ``algorithm``."""
     if algorithm.root is not None:
@@ -112,14 +126,18 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             "model (applying twice would stack masks)"
         )
     algorithm.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
+    owned = owned_masks()
+    orphans = []
     for name, module, attr, param in chosen:
         buffer = mask_buffer_name(attr)
-        if buffer in module._buffers:
+        if buffer in module._buffers and (id(module), buffer) not in owned:
+            orphans.append(name)
+        elif buffer in module._buffers:
             raise RuntimeError(
                 f"{name!r} already has a mask ({buffer}): it is sparsified by another algorithm; "
                 "use one Group to give parameters different algorithms"
             )
-        if hasattr(module, buffer):
+        elif hasattr(module, buffer):
             raise RuntimeError(f"{type(module).__name__} already has an attribute {buffer!r}, "
                                f"where the mask of {name!r} would go; rename that attribute")
         if getattr(param, "requires_dense", False):
@@ -137,6 +155,11 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
         algorithm.shaper.check(param.shape[::-1] if in_out else param.shape, name)
     algorithm.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
     algorithm.check_range(algorithm.horizon())
+    if orphans:
+        log.info("%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from a "
+                 "checkpoint or copied): replaced by this algorithm's initial masks (%s)",
+                 algorithm.name, len(orphans), orphans[0],
+                 getattr(algorithm.init_method, "__name__", algorithm.init_method))
 
 
 def check_mask(mask: object, param: torch.Tensor, name: str, init_method: object) -> torch.Tensor:
@@ -186,12 +209,16 @@ def register(
     """Register masks and hooks for ``chosen``; on failure undo them and raise. Reversible
     (`unregister_params`) until `commit` prunes the weights."""
     sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
+    replaced = {sp.name: sp.mask for sp in sps if sp.has_mask}  # unowned masks (`validate`)
     try:
         for sp, mask in zip(sps, masks, strict=True):
             sp.register_mask(mask)
         algorithm.hooks.install(root, sps)
     except BaseException:
         unregister_params(algorithm, sps)
+        for sp in sps:
+            if sp.name in replaced:
+                sp.register_mask(replaced[sp.name])
         raise
     return sps
 

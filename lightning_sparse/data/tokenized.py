@@ -138,8 +138,16 @@ class TokenizedTextDataModule(ByteTextDataModule):
         if tokenizer is None:
             check_bpe_vocab(bpe_vocab_size)
         super().__init__(
-            paths, pattern, val_paths, val_every, seq_len, batch_size, max_bytes, val_windows,
-            seed, num_workers,
+            paths,
+            pattern,
+            val_paths,
+            val_every,
+            seq_len,
+            batch_size,
+            max_bytes,
+            val_windows,
+            seed,
+            num_workers,
         )
         self.save_hyperparameters()
         self._tokenizer: Any = None

@@ -24,8 +24,14 @@ from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from tests.helpers import one_torch_thread, trainer  # noqa: E402
 
 LLAMA = dict(
-    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=2, intermediate_size=64, max_position_embeddings=32, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=32,
+    pad_token_id=0,
 )
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE = "*base_layer.weight"  # the frozen weights LoRA wraps
@@ -65,7 +71,9 @@ def train(model: nn.Module, sparsity: RigL | Static, steps: int = 6) -> None:
 
 
 def snapshot(sparsity: RigL | Static) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {n: (sp.param.detach().clone(), sp.mask.clone()) for n, sp in sparsity.sparse_params.items()}
+    return {
+        n: (sp.param.detach().clone(), sp.mask.clone()) for n, sp in sparsity.sparse_params.items()
+    }
 
 
 def assert_base_unchanged_and_exactly_sparse(
@@ -152,7 +160,9 @@ def test_after_peft_base_stays_exactly_sparse_under_lightning(tmp_path: object) 
     lit = LitCausalLM(model=hf, lr=1e-2, warmup_steps=1, max_steps=6)
     sparsity = LitRigL(0.5, update=EVERY_STEP, param_filter=BASE)
     probe = Snapshot(sparsity)
-    dense = {n: p.detach().clone() for n, p in lit.named_parameters() if n.endswith("base_layer.weight")}
+    dense = {
+        n: p.detach().clone() for n, p in lit.named_parameters() if n.endswith("base_layer.weight")
+    }
     lora_before = adapters(lit)
     loader = torch.utils.data.DataLoader(torch.cat(tokens()), batch_size=4)
     fit = trainer(tmp_path, max_steps=6, callbacks=[sparsity, probe])
@@ -235,7 +245,9 @@ def test_merge_then_densify_equals_the_unmerged_model_and_is_dense() -> None:
 def merged_weights(merged: nn.Module, deltas: dict[str, torch.Tensor]) -> dict:
     """The merged weights, keyed like ``deltas`` (PeftModel names -> merged names)."""
     return {
-        name: merged.get_parameter(name.removeprefix("base_model.model.").replace(".base_layer", ""))
+        name: merged.get_parameter(
+            name.removeprefix("base_model.model.").replace(".base_layer", "")
+        )
         for name in deltas
     }
 
@@ -263,12 +275,21 @@ def test_merge_then_reprune_keeps_the_masks_exactly_and_drops_the_pruned_delta()
     merged_logits = logits(merged, batch)
     torch.testing.assert_close(logits(reference, batch), merged_logits, rtol=0, atol=1e-6)
     assert (merged_logits - unmerged).abs().max() > 1e-4
+    # In a new process: a Static with init_method="from_zeros" on the exported weights takes
+    # back the same masks (no kept weight is exactly 0 here), now on trainable weights.
+    again = Static(0.5, init_method="from_zeros", param_filter="*layers.*_proj.weight")
+    reference.apply(again)
+    for name, (_, mask) in before.items():
+        merged_name = name.removeprefix("base_model.model.").replace(".base_layer", "")
+        assert torch.equal(again.sparse_params[merged_name].mask, mask), merged_name
 
 
 def test_merge_then_topk_gives_the_same_sparsity_with_masks_from_the_merged_weights() -> None:
     model, sparsity, _ = trained_after_peft()
-    old = {n.removeprefix("base_model.model.").replace(".base_layer", ""): sp.mask.clone()
-           for n, sp in sparsity.sparse_params.items()}
+    old = {
+        n.removeprefix("base_model.model.").replace(".base_layer", ""): sp.mask.clone()
+        for n, sp in sparsity.sparse_params.items()
+    }
     merged = model.merge_and_unload()
     densify(model)
     dense = {n: merged.get_parameter(n).detach().clone() for n in old}

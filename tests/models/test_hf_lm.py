@@ -21,8 +21,14 @@ from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from tests.helpers import one_torch_thread, trainer  # noqa: E402
 
 LLAMA = dict(
-    model_type="llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=2, intermediate_size=48, max_position_embeddings=32,
+    model_type="llama",
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=32,
 )
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "hf_llama_tiny.yaml"
 DROPOUT = {**LLAMA, "attention_dropout": 0.5}
@@ -120,7 +126,9 @@ def test_config_dict_file_and_directory_build_the_same_random_model(tmp_path: Pa
     for other in models[1:]:
         assert other.state_dict().keys() == reference.keys()
         assert all(torch.equal(other.state_dict()[k], v) for k, v in reference.items())
-    assert not torch.equal(built(LLAMA, seed=1).model.lm_head.weight, models[0].model.lm_head.weight)
+    assert not torch.equal(
+        built(LLAMA, seed=1).model.lm_head.weight, models[0].model.lm_head.weight
+    )
     idx = torch.randint(0, 64, (2, 7))
     models[0].eval()
     with torch.no_grad():
@@ -151,10 +159,20 @@ def test_hf_llama_tiny_recipe_trains_through_the_cli(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     recipe = RECIPE  # not cli.RECIPES_DIR: that is the installed checkout's, maybe not this one
-    short = ["--trainer.max_steps", "12", "--trainer.val_check_interval", "6",
-             "--trainer.enable_progress_bar", "false", "--data.max_bytes", "60000",
-             "--data.val_windows", "4", "--trainer.callbacks.init_args.update",
-             "{freq: 5, stop: 11}"]
+    short = [
+        "--trainer.max_steps",
+        "12",
+        "--trainer.val_check_interval",
+        "6",
+        "--trainer.enable_progress_bar",
+        "false",
+        "--data.max_bytes",
+        "60000",
+        "--data.val_windows",
+        "4",
+        "--trainer.callbacks.init_args.update",
+        "{freq: 5, stop: 11}",
+    ]
     run = cli.run(["fit", "--config", str(recipe), *short])
     assert run.trainer.global_step == 12
     summary = json.loads(Path(run.trainer.log_dir, "summary.json").read_text())
@@ -175,8 +193,9 @@ def test_hf_llama_tiny_recipe_trains_through_the_cli(
     text = "def f(x):\n    return x + 1\n"
     assert saved(text)["input_ids"] == run.datamodule.tokenizer(text)["input_ids"]
     # Pruned weights are exactly zero in the last checkpoint.
-    state = torch.load(Path(run.trainer.checkpoint_callback.dirpath, "last.ckpt"),
-                       weights_only=False)["state_dict"]
+    state = torch.load(
+        Path(run.trainer.checkpoint_callback.dirpath, "last.ckpt"), weights_only=False
+    )["state_dict"]
     masks = {k: v for k, v in state.items() if k.endswith("_mask")}
     assert len(masks) == 14
     for key, mask in masks.items():

@@ -74,8 +74,11 @@ def test_saved_tokenizer_reloads_and_gives_the_same_tokens(tmp_path: Path) -> No
 def test_user_files_and_a_small_corpus_gives_a_smaller_vocabulary(tmp_path: Path) -> None:
     (tmp_path / "train.txt").write_text("the cat sat on the mat. " * 40)
     (tmp_path / "val.txt").write_text("the mat sat on the cat. " * 10)
-    dm = make_dm(paths=[str(tmp_path / "train.txt")], val_paths=[str(tmp_path / "val.txt")],
-                 bpe_vocab_size=2000)
+    dm = make_dm(
+        paths=[str(tmp_path / "train.txt")],
+        val_paths=[str(tmp_path / "val.txt")],
+        bpe_vocab_size=2000,
+    )
     assert 257 < dm.vocab_size < 2000  # ran out of pairs to merge
     assert dm.tokenizer.decode(dm.train_data.tolist()) == "the cat sat on the mat. " * 40
     assert dm.tokenizer.decode(dm.val_data.tolist()).startswith("the mat sat on the cat. ")

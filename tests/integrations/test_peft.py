@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -173,6 +174,30 @@ def test_after_peft_base_stays_exactly_sparse_under_lightning(tmp_path: object) 
     for name, sp in sparsity.sparse_params.items():  # pruned at setup, never touched again
         assert torch.equal(sp.param, torch.where(sp.mask, dense[name], torch.zeros(())))
     assert_adapters_trained(lora_before, lit)
+
+
+def lora_lit() -> LitCausalLM:
+    torch.manual_seed(0)
+    hf = HFCausalLM(config={"model_type": "llama", **LLAMA})
+    hf.model = with_lora(hf.model)
+    return LitCausalLM(model=hf, lr=1e-2, warmup_steps=1, max_steps=6)
+
+
+def test_after_peft_lightning_resume_keeps_masks_and_base_bit_exact(tmp_path: Path) -> None:
+    loader = torch.utils.data.DataLoader(torch.cat(tokens()), batch_size=4)
+    first, first_sparsity = lora_lit(), LitRigL(0.5, update=EVERY_STEP, param_filter=BASE)
+    fit = trainer(tmp_path, max_steps=3, callbacks=[first_sparsity])
+    fit.fit(first, loader)
+    fit.save_checkpoint(tmp_path / "mid.ckpt")
+    saved = snapshot(first_sparsity)
+    # A new process with another torch seed: its masks at setup differ until the checkpoint
+    # (the masks, and the algorithm's seed) is loaded.
+    second, second_sparsity = lora_lit(), LitRigL(0.5, update=EVERY_STEP, param_filter=BASE)
+    torch.manual_seed(7)
+    fit = trainer(tmp_path, max_steps=6, callbacks=[second_sparsity])
+    fit.fit(second, loader, ckpt_path=tmp_path / "mid.ckpt")
+    assert second_sparsity.step == 6 and second_sparsity.seed == first_sparsity.seed
+    assert_base_unchanged_and_exactly_sparse(second_sparsity, saved)
 
 
 # ---------------------------------------------------------------- before get_peft_model

@@ -21,6 +21,18 @@ if TYPE_CHECKING:
     from .base import SparsityAlgorithm
 
 
+def mask_paths(root: nn.Module) -> dict[tuple[int, str], str]:
+    """``{(id(module), mask buffer name): state-dict key below root}`` for the masks' current
+    place: a wrapper that moved a layer (peft's ``q_proj`` -> ``q_proj.base_layer``) moves its
+    key, while the algorithm keeps the parameter names of ``apply``."""
+    return {
+        (id(module), buffer): f"{path}.{buffer}" if path else buffer
+        for path, module in root.named_modules(remove_duplicate=False)
+        for buffer in module._buffers
+        if buffer.endswith("_mask")
+    }
+
+
 def check_incoming_masks(
     algorithm: SparsityAlgorithm,
     root: nn.Module,
@@ -42,8 +54,9 @@ def check_incoming_masks(
         prefix: key prefix of ``root`` inside ``state_dict``.
         hook_args: the rest of ``nn.Module``'s load pre-hook arguments (unused).
     """
+    paths = mask_paths(root)
     for name, sp in algorithm.sparse_params.items():
-        key = f"{prefix}{name}_mask"
+        key = f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
         if key not in state_dict:
             state_dict[key] = sp.mask.clone()
             continue
@@ -59,9 +72,9 @@ def check_incoming_masks(
                 raise ValueError(f"checkpoint mask {key!r} must hold only 0/1 or bool values")
             state_dict[key] = incoming.to(torch.bool)
     claimed = {
-        f"{prefix}{name}_mask"
+        f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
         for other in (algorithms_of(root) or [algorithm])
-        for name in other.sparse_params
+        for name, sp in other.sparse_params.items()
     }
     params = {f"{prefix}{n}" for n, _ in root.named_parameters()}
     foreign = [

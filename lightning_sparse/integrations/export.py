@@ -86,9 +86,20 @@ def export(
             compress_directory(tmp, sparse)
         if tokenizer is not None:
             shutil.copytree(tokenizer, tmp, dirs_exist_ok=True)
-        if output.exists():
-            shutil.rmtree(output)
-        tmp.rename(output)
+        if output.exists():  # moved aside first, so output is never half old, half new
+            old = tmp.with_name(tmp.name + ".old")
+            output.rename(old)
+            try:
+                tmp.rename(output)
+            except OSError:
+                old.rename(output)
+                raise
+            if old.is_dir():
+                shutil.rmtree(old)
+            else:
+                old.unlink()
+        else:
+            tmp.rename(output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return output
@@ -97,13 +108,19 @@ def export(
 def load_lit_checkpoint(path: str | Path) -> LitCausalLM:
     """The `LitCausalLM` of a ``lightning-sparse fit`` checkpoint, masks registered and loaded.
 
+    The module is rebuilt from the checkpoint's hyper-parameters. `LitCausalLM` does not save its
+    ``model`` argument there, so a model given in the recipe (``model.init_args.model``, e.g.
+    `HFCausalLM`) is read from the run's ``config.yaml`` (``version_N/config.yaml`` next to
+    ``version_N/checkpoints/``).
+
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the checkpoint's module is not a `LitCausalLM`.
+        ValueError: the checkpoint's module is not a `LitCausalLM`, or its weights do not fit
+            the module its hyper-parameters describe.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; pass a .ckpt file")
+        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a file; pass a .ckpt file")
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams.pop("_instantiator", None)
@@ -115,17 +132,39 @@ def load_lit_checkpoint(path: str | Path) -> LitCausalLM:
             f"checkpoint {str(path)!r} holds a {class_path!r}, not a "
             "lightning_sparse.models.LitCausalLM; export the model object instead"
         )
-    if any(isinstance(v, dict) and "class_path" in v for v in hparams.values()):
-        from lightning.pytorch.cli import instantiate_module
+    submodel = _recipe_model(path)
+    if submodel is not None:
+        hparams["model"] = submodel
+    try:
+        if isinstance(submodel, dict):
+            from lightning.pytorch.cli import instantiate_module
 
-        with warnings.catch_warnings():  # Lightning calls a jsonargparse method it deprecated
-            warnings.simplefilter("ignore", DeprecationWarning)
-            module = instantiate_module(LitCausalLM, hparams)  # e.g. model: {class_path: ...}
-    else:
-        module = cls(**{k: v for k, v in hparams.items() if k != "_class_path"})
-    restore_masks(module, checkpoint["state_dict"])
-    module.load_state_dict(checkpoint["state_dict"], strict=True)
+            with warnings.catch_warnings():  # Lightning calls a jsonargparse method it deprecated
+                warnings.simplefilter("ignore", DeprecationWarning)
+                module = instantiate_module(LitCausalLM, hparams)  # builds the class_path entry
+        else:
+            module = cls(**{k: v for k, v in hparams.items() if k != "_class_path"})
+        restore_masks(module, checkpoint["state_dict"])
+        module.load_state_dict(checkpoint["state_dict"], strict=True)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(
+            f"cannot rebuild the module of checkpoint {str(path)!r} from its hyper-parameters "
+            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}...); build the "
+            "LitCausalLM yourself, load the checkpoint (lightning_sparse.restore_masks, then "
+            "load_state_dict) and export it"
+        ) from err
     return module.eval()
+
+
+def _recipe_model(ckpt: Path) -> Any:
+    """``model.init_args.model`` of the run's ``config.yaml`` (``None`` if there is none)."""
+    import yaml
+
+    for config in (ckpt.parent / "config.yaml", ckpt.parent.parent / "config.yaml"):
+        if config.is_file():
+            recipe = yaml.safe_load(config.read_text()) or {}
+            return ((recipe.get("model") or {}).get("init_args") or {}).get("model")
+    return None
 
 
 def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any], list[str]]:

@@ -140,7 +140,10 @@ def test_hf_models_plain_and_wrapped_export_with_the_same_logits(tmp_path: Path)
         )
     ).eval()  # fmt: skip
     gpt2.apply(Static(0.8))
+    before = {k: v.clone() for k, v in gpt2.state_dict().items()}
     export(gpt2, tmp_path / "gpt2")
+    after = gpt2.state_dict()  # untouched, masks included
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     saved = saved_tensors(tmp_path / "gpt2")
     for name, mask in masks_of(gpt2).items():  # Conv1D weights, stored as they are
         assert torch.equal(saved[name][~mask], torch.zeros(int((~mask).sum())))
@@ -238,8 +241,37 @@ def test_fit_checkpoint_exports_from_the_command_line(tmp_path: Path) -> None:
 
     with pytest.raises(SystemExit, match="already exists.*overwrite"):
         cli.main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf")])
-    with pytest.raises(SystemExit, match="does not exist"):
+    with pytest.raises(SystemExit, match="nope.ckpt. is not a file"):
         cli.main(["export", "--ckpt_path", str(tmp_path / "nope.ckpt"), "--output", "x"])
+
+
+def test_checkpoint_of_a_recipe_given_hf_model_is_rebuilt_from_the_run_config(
+    tmp_path: Path,
+) -> None:
+    """`LitCausalLM` does not save its ``model`` argument; the run's config.yaml records it."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
+    lit = LitCausalLM(model=HFCausalLM(str(tmp_path / "base")), max_seq_len=64)
+    lit.apply(Static(0.8))
+    lit.eval()
+    run = tmp_path / "version_0"
+    (run / "checkpoints").mkdir(parents=True)
+    hparams = {"_class_path": "lightning_sparse.models.LitCausalLM", **lit.hparams}
+    ckpt = run / "checkpoints/last.ckpt"
+    torch.save({"hyper_parameters": hparams, "state_dict": lit.state_dict()}, ckpt)
+    with pytest.raises(ValueError, match="cannot rebuild the module of checkpoint.*yourself"):
+        export(ckpt, tmp_path / "no_config")  # a default Llama does not fit these weights
+    (run / "config.yaml").write_text(
+        "model:\n  class_path: lightning_sparse.models.LitCausalLM\n  init_args:\n    model:\n"
+        "      class_path: lightning_sparse.models.hf.HFCausalLM\n"
+        f"      init_args: {{path: {tmp_path / 'base'}}}\n"
+    )
+    export(ckpt, tmp_path / "hf")
+    assert_same_logits(lit, load(tmp_path / "hf"), 96)
 
 
 # ---------------------------------------------------------------- atomic writes and errors
@@ -277,6 +309,11 @@ def test_a_failure_while_writing_leaves_nothing(
     with pytest.raises(OSError, match="disk full"):
         export(sparse_llama(), tmp_path / "out", format="compressed")
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out/keep.txt").write_text("mine")
+    with pytest.raises(OSError, match="disk full"):
+        export(sparse_llama(), tmp_path / "out", format="compressed", overwrite=True)
+    assert [p.name for p in tmp_path.rglob("*")] == ["out", "keep.txt"]  # the old one, intact
 
 
 def test_bad_requests_are_refused_before_anything_is_written(
@@ -309,4 +346,7 @@ def test_bad_requests_are_refused_before_anything_is_written(
     )
     with pytest.raises(ModuleNotFoundError, match="pip install compressed-tensors"):
         export(sparse_llama(), tmp_path / "f", format="compressed")
+    monkeypatch.setattr(export_module.importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(ModuleNotFoundError, match="'transformers'.*`pip install transformers`"):
+        export(sparse_llama(), tmp_path / "g")
     assert list(tmp_path.iterdir()) == []

@@ -31,6 +31,12 @@ from lightning_sparse.models.llama import Llama
 __all__ = ["FORMATS", "export", "load_lit_checkpoint"]
 
 FORMATS = ("hf", "compressed")
+_MODEL_FILES = {
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+}
 
 
 def export(
@@ -70,8 +76,15 @@ def export(
         raise ValueError(
             f"output={str(output)!r} already exists; choose a new directory or pass overwrite=True"
         )
-    if tokenizer is not None and not Path(tokenizer).is_dir():
-        raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory")
+    if tokenizer is not None:
+        if not Path(tokenizer).is_dir():
+            raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory")
+        clashes = sorted(p.name for p in Path(tokenizer).iterdir() if p.name in _MODEL_FILES)
+        if clashes:
+            raise ValueError(
+                f"tokenizer={str(tokenizer)!r} holds model files {clashes} that would replace "
+                "the exported ones; pass a directory with only the tokenizer's files"
+            )
     model = load_lit_checkpoint(source) if isinstance(source, (str, Path)) else source
     hf_model, state, sparse = _to_hf(model)
 

@@ -337,6 +337,11 @@ def test_bad_requests_are_refused_before_anything_is_written(
         export(model, tmp_path / "d")
     with pytest.raises(FileNotFoundError, match="tokenizer="):
         export(sparse_llama(), tmp_path / "e", tokenizer=tmp_path / "missing")
+    model_dir = tmp_path / "model_files"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds model files \['config.json'\]"):
+        export(sparse_llama(), tmp_path / "e", tokenizer=model_dir)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -349,4 +354,4 @@ def test_bad_requests_are_refused_before_anything_is_written(
     monkeypatch.setattr(export_module.importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(ModuleNotFoundError, match="'transformers'.*`pip install transformers`"):
         export(sparse_llama(), tmp_path / "g")
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["model_files"]  # nothing written

@@ -92,7 +92,9 @@ def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
     return load_file(path / "model.safetensors")
 
 
-def assert_same_logits(live: Callable[[torch.Tensor], torch.Tensor], hf: nn.Module, vocab: int):
+def assert_same_logits(
+    live: Callable[[torch.Tensor], torch.Tensor], hf: nn.Module, vocab: int
+) -> None:
     idx = torch.randint(0, vocab, (2, 24), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected, got = live(idx), hf(input_ids=idx).logits
@@ -122,12 +124,8 @@ def test_llama_exports_as_llama_for_causal_lm_with_the_same_logits(
     hf = load(tmp_path / "hf")
     assert isinstance(hf, transformers.LlamaForCausalLM)
     c = hf.config
-    assert (c.num_key_value_heads, c.rope_parameters["rope_theta"], c.rms_norm_eps) == (
-        2,
-        500.0,
-        1e-4,
-    )
-    assert c.tie_word_embeddings is tied
+    assert c.num_key_value_heads == 2 and c.rope_parameters["rope_theta"] == 500.0
+    assert c.rms_norm_eps == 1e-4 and c.tie_word_embeddings is tied
     assert_same_logits(lit, hf, 96)
 
 
@@ -335,6 +333,8 @@ def test_bad_requests_are_refused_before_anything_is_written(
     model.layers[0].self_attn.q_proj = nn.Linear(32, 32, bias=True)
     with pytest.raises(ValueError, match=r"unexpected \['model.layers.0.self_attn.q_proj.bias'\]"):
         export(model, tmp_path / "d")
+    with pytest.raises(ValueError, match=r"cannot represent.*rope_theta=-1.0 \(must be"):
+        export(Llama(LlamaConfig.from_preset("tiny", rope_theta=-1.0)), tmp_path / "h")
     with pytest.raises(FileNotFoundError, match="tokenizer="):
         export(sparse_llama(), tmp_path / "e", tokenizer=tmp_path / "missing")
     model_dir = tmp_path / "model_files"

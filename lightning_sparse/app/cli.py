@@ -9,6 +9,7 @@ layers. Any recipe, or any LightningCLI option, can be given on the command line
     lightning-sparse fit --ckpt_path last                  # resume the recipe's latest run
     lightning-sparse compare --steps 100                   # dense / static / SET / RigL / GraNet
     lightning-sparse sweep ...                             # see lightning_sparse/app/sweep.py
+    lightning-sparse export --ckpt_path last.ckpt --output hf_model   # see app/export_cmd.py
 
 Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory,
 ``<logger save_dir>/version_N`` (`plan_run_dir`): logger files, ``summary.json``, ``config.yaml``
@@ -76,6 +77,7 @@ SUBCOMMAND_HELP = {
     "predict": "predictions over the predict dataloader",
     "compare": "train recipes in turn; table and plot (compare --help)",
     "sweep": "run a W&B sweep config locally (sweep --help)",
+    "export": "checkpoint -> Hugging Face directory (export --help)",
 }
 _CONFIG_ERROR_NOTE = "lightning-sparse: raised while building the configured objects"
 
@@ -103,7 +105,7 @@ class SparseCLI(LightningCLI):
         # before LightningCLI; these entries only document them).
         super()._add_subcommands(parser, **kwargs)
         action = parser._subcommands_action
-        for name in ("compare", "sweep"):
+        for name in ("compare", "sweep", "export"):
             action.add_subcommand(name, self.parser_class(), help=SUBCOMMAND_HELP[name])
         for choice in action._choices_actions:
             choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
@@ -488,7 +490,8 @@ def run(args: list[str]) -> SparseCLI:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point: ``compare`` and ``sweep`` go to their modules, the rest to `SparseCLI`.
+    """Entry point: ``compare``, ``sweep`` and ``export`` go to their modules, the rest to
+    `SparseCLI`.
 
     Configuration errors exit with a few lines naming the key; ``--debug`` (anywhere) or
     ``LIGHTNING_SPARSE_DEBUG=1`` shows the full traceback instead.
@@ -516,6 +519,10 @@ def _dispatch(args: list[str]) -> None:
         from lightning_sparse.app import sweep  # written separately; imported only when asked for
 
         sweep.main(args[1:])
+    elif args and args[0] == "export":
+        from lightning_sparse.app import export_cmd  # needs transformers only when it runs
+
+        export_cmd.main(args[1:])
     elif args and not args[0].startswith("-") and args[0] not in LIGHTNING_SUBCOMMANDS:
         sys.exit(f"lightning-sparse: unknown subcommand {args[0]!r}; {_EPILOG}")
     else:
@@ -546,7 +553,7 @@ def _short_error(err: BaseException) -> str:
 _EPILOG = (
     "subcommands: fit (default), validate, test, predict (LightningCLI), compare (train and "
     "tabulate several recipes: lightning-sparse compare --help), sweep (lightning-sparse sweep "
-    "--help)"
+    "--help), export (checkpoint to a Hugging Face directory: lightning-sparse export --help)"
 )
 
 

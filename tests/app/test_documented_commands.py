@@ -2,7 +2,7 @@
 
 Quick forms: LightningCLI commands run with ``--print_config`` (the whole command line is parsed
 and validated, nothing trains), ``compare`` through its own parser with every recipe resolved,
-``sweep`` with ``--dry-run`` on a real sweep file.
+``sweep`` with ``--dry-run`` on a real sweep file, ``export`` through its own parser.
 """
 
 from __future__ import annotations
@@ -66,6 +66,12 @@ def test_documented_command_parses(
         if "--out" not in args:
             args[2:2] = ["--out", str(tmp_path / "sweep")]
         cli.main(args)
+        return
+    if sub == "export":  # parsed only: the documented checkpoint exists after a real fit
+        from lightning_sparse.app import export_cmd
+
+        options = export_cmd._parser().parse_args(argv[1:])
+        assert options.ckpt_path.endswith(".ckpt"), where
         return
     args = list(argv) if argv else ["fit"]
     with pytest.raises(SystemExit) as done:

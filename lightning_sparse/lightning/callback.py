@@ -100,7 +100,10 @@ def sparsity_hparams(
     ``param_filter``, ``params`` (tensors sparsified; 0 before ``apply``) and ``seed``.
     """
     if isinstance(sparsity, Group):
-        out: dict[str, HParam] = {f"{prefix}/algorithm": "group", f"{prefix}/members": len(sparsity)}
+        out: dict[str, HParam] = {
+            f"{prefix}/algorithm": "group",
+            f"{prefix}/members": len(sparsity),
+        }
         for index, (param_filter, member) in enumerate(sparsity.members):
             out.update(sparsity_hparams(member, f"{prefix}/{index}"))
             out[f"{prefix}/{index}/param_filter"] = _callable_name(param_filter)

@@ -55,10 +55,15 @@ class SparsityCallback(pl.Callback):
         for optimizer in trainer.optimizers:
             if all(o is not optimizer for o in self.optimizers):
                 self.apply(optimizer)
+        self._log_hparams(trainer)
+
+    def _log_hparams(self, trainer: pl.Trainer) -> None:
+        """`sparsity_hparams` to every logger (W&B run config, CSV/TensorBoard hparams), under
+        ``sparsity/`` or, with several sparsity callbacks, ``sparsity/<position>/``: positions,
+        not ``name`` (a process-wide counter), so a recipe gives the same keys in every run."""
         callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
-        # Keyed by position, not by ``name`` (a process-wide counter): the same recipe gives the
-        # same keys in every run, so runs group by them.
-        prefix = f"sparsity/{callbacks.index(self)}" if len(callbacks) > 1 else "sparsity"
+        index = next(i for i, c in enumerate(callbacks) if c is self)
+        prefix = f"sparsity/{index}" if len(callbacks) > 1 else "sparsity"
         hparams = sparsity_hparams(self, prefix)  # type: ignore[arg-type]
         for logger in trainer.loggers:
             logger.log_hyperparams(hparams)  # loggers act on rank zero only

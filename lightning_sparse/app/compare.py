@@ -14,6 +14,12 @@ comparison continues where it stopped. Results: ``<out>/comparison.md`` (the tab
 commands), ``<out>/comparison.json`` and ``<out>/val_loss.svg`` (validation loss curves). Runs
 logged offline to W&B are listed at the end as ``wandb sync`` commands whose paths work from the
 directory ``compare`` was started in.
+
+When the runs logged to W&B (their directories hold ``wandb/`` runs), the comparison is a W&B run
+of its own (``job_type="compare"``, in the recipes' project, under ``<out>/wandb``): the
+validation-loss plot as ``wandb.Html`` (the SVG inline: ``wandb.Image`` needs Pillow and a raster
+format, and Pillow cannot read SVG, so the vector plot is shown as W&B renders HTML media), the
+table as a ``wandb.Table``, and each run's loss and FLOPs ratios in the run summary.
 """
 
 from __future__ import annotations
@@ -30,7 +36,14 @@ from typing import Any
 from lightning_sparse.app.svg_plot import line_plot_svg
 from lightning_sparse.recipes import RECIPES_DIR
 
-__all__ = ["DEFAULT_RECIPES", "format_table", "main", "resolve_recipe", "wandb_sync_commands"]
+__all__ = [
+    "DEFAULT_RECIPES",
+    "format_table",
+    "log_comparison_to_wandb",
+    "main",
+    "resolve_recipe",
+    "wandb_sync_commands",
+]
 
 DEFAULT_RECIPES = ("dense", "static", "set", "rigl", "granet")
 
@@ -106,29 +119,114 @@ def main(args: list[str]) -> None:
     )
     (out / "comparison.json").write_text(json.dumps(runs, indent=1) + "\n")
     curves = {r["name"]: r["summary"]["val_curve"] for r in runs}
+    svg = None
     if any(curves.values()):
         svg = line_plot_svg(curves, "Validation loss", "optimizer step", "loss (nats/token)")
         (out / "val_loss.svg").write_text(svg)
     print(f"\n{table}\n\nsaved {out / 'comparison.md'}, {out / 'val_loss.svg'}")
-    sync = wandb_sync_commands([out / name for name in recipes])
+    run_dirs = [out / name for name in recipes]
+    if wandb_sync_commands(run_dirs, only_offline=False):
+        project = _wandb_project(list(recipes.values()))
+        wandb_dir = log_comparison_to_wandb(out, runs, svg, project)
+        print(f"W&B: the comparison is logged to project {project!r} ({wandb_dir})")
+        run_dirs.append(out)
+    sync = wandb_sync_commands(run_dirs)
     if sync:
         print("W&B runs logged offline; upload them from this directory with:")
         print("\n".join(f"    {command}" for command in sync))
 
 
-def wandb_sync_commands(run_dirs: list[Path], cwd: Path | None = None) -> list[str]:
-    """``wandb sync <dir>`` for every offline W&B run under ``run_dirs``, the paths relative to
-    ``cwd`` (default: the current directory; absolute where no relative path exists)."""
+def wandb_sync_commands(
+    run_dirs: list[Path], cwd: Path | None = None, only_offline: bool = True
+) -> list[str]:
+    """``wandb sync <dir>`` for every offline W&B run under ``run_dirs`` (every run, online ones
+    too, with ``only_offline=False``), the paths relative to ``cwd`` (default: the current
+    directory; absolute where no relative path exists)."""
     here = (cwd or Path.cwd()).resolve()
     commands = []
+    patterns = ["wandb/offline-run-*"] if only_offline else ["wandb/offline-run-*", "wandb/run-*"]
     for run_dir in run_dirs:
-        for found in sorted(run_dir.resolve().rglob("wandb/offline-run-*")):
+        found_runs = {f for pattern in patterns for f in run_dir.resolve().rglob(pattern)}
+        for found in sorted(found_runs):
             try:
                 path = os.path.relpath(found, here)
             except ValueError:  # another drive (Windows)
                 path = str(found)
             commands.append(f"wandb sync {path}")
     return commands
+
+
+def log_comparison_to_wandb(
+    out: Path, runs: list[dict[str, Any]], svg: str | None, project: str
+) -> Path:
+    """Log the comparison as a W&B run in ``out/wandb``: the plot (``val_loss``, `wandb.Html`
+    with the SVG inline), the table (``comparison``) and per-run figures in the summary
+    (``<name>/val_loss``, ``<name>/train_flops_vs_dense``, ...). Mode: ``WANDB_MODE``, else
+    online with a W&B account, else offline. Returns the run's local directory."""
+    import wandb
+
+    from lightning_sparse.app.cli import wandb_mode
+
+    columns = [
+        "method",
+        "algorithm",
+        "sparsity",
+        "val_loss",
+        "val_ppl",
+        "train_flops",
+        "train_flops_vs_dense",
+        "inference_flops_per_token",
+        "inference_vs_dense",
+    ]
+    rows, figures = [], {}
+    for run in runs:
+        s = run["summary"]
+        fl = s["flops"]
+        row = {
+            "method": run["name"],
+            "algorithm": "+".join(s["algorithms"]),
+            "sparsity": s["sparsity"]["sparse_layers"],
+            "val_loss": s["val"]["loss"],
+            "val_ppl": s["val"]["ppl"],
+            "train_flops": fl["train"],
+            "train_flops_vs_dense": fl["train"] / fl["train_dense"],
+            "inference_flops_per_token": fl["inference_per_token"],
+            "inference_vs_dense": fl["inference_per_token"] / fl["inference_per_token_dense"],
+        }
+        rows.append([row[c] for c in columns])
+        figures.update({f"{run['name']}/{k}": v for k, v in row.items() if k != "method"})
+    out.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(
+        project=project,
+        dir=str(out),
+        name=out.name,
+        job_type="compare",
+        mode=wandb_mode(),  # type: ignore[arg-type]
+        config={"recipes": [r["name"] for r in runs]},
+    )
+    try:
+        media: dict[str, Any] = {"comparison": wandb.Table(columns=columns, data=rows)}
+        if svg is not None:
+            media["val_loss"] = wandb.Html(f"<html><body>{svg}</body></html>", inject=False)
+        run.log(media)
+        run.summary.update(figures)
+        return Path(run.dir).parent
+    finally:
+        run.finish()
+
+
+def _wandb_project(recipes: list[Path]) -> str:
+    """The ``project`` of the first recipe's `WandbLogger` (``lightning_sparse`` if none)."""
+    import yaml
+
+    for recipe in recipes:
+        loggers = (yaml.safe_load(recipe.read_text()) or {}).get("trainer", {}).get("logger")
+        for logger in loggers if isinstance(loggers, list) else [loggers]:
+            if isinstance(logger, dict) and "WandbLogger" in str(logger.get("class_path")):
+                project = (logger.get("init_args") or {}).get("project")
+                if project:
+                    return str(project)
+    return "lightning_sparse"
 
 
 def _run(

@@ -4,7 +4,9 @@ Each hook calls the method a plain PyTorch user calls: ``setup`` -> ``apply(mode
 ``on_fit_start`` -> ``apply(optimizer)``, ``on_before_optimizer_step`` -> ``before_step``
 (Lightning runs the optimizer's step pre-hooks before its closure, i.e. before the last backward,
 so the callback, not the pre-hook, does that work here), ``state_dict`` / ``load_state_dict`` ->
-the algorithm's. Logging happens once per ``log_every_n_steps``.
+the algorithm's. Logging happens once per ``log_every_n_steps``; at fit start every logger gets
+the settings as hyper-parameters (`sparsity_hparams`: the W&B run config, CSV ``hparams.yaml``,
+TensorBoard hparams), so runs can be grouped and filtered by sparsity.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-__all__ = ["SparsityCallback", "update_metrics"]
+from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
+from lightning_sparse.core.init_methods import INIT_METHODS
+from lightning_sparse.core.schedules import Constant
+
+__all__ = ["SparsityCallback", "sparsity_hparams", "update_metrics"]
+
+HParam = str | int | float | bool | None
 
 
 class SparsityCallback(pl.Callback):
@@ -47,6 +55,18 @@ class SparsityCallback(pl.Callback):
         for optimizer in trainer.optimizers:
             if all(o is not optimizer for o in self.optimizers):
                 self.apply(optimizer)
+        self._log_hparams(trainer)
+
+    def _log_hparams(self, trainer: pl.Trainer) -> None:
+        """`sparsity_hparams` to every logger (W&B run config, CSV/TensorBoard hparams), under
+        ``sparsity/`` or, with several sparsity callbacks, ``sparsity/<position>/``: positions,
+        not ``name`` (a process-wide counter), so a recipe gives the same keys in every run."""
+        callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
+        index = next(i for i, c in enumerate(callbacks) if c is self)
+        prefix = f"sparsity/{index}" if len(callbacks) > 1 else "sparsity"
+        hparams = sparsity_hparams(self, prefix)  # type: ignore[arg-type]
+        for logger in trainer.loggers:
+            logger.log_hyperparams(hparams)  # loggers act on rank zero only
 
     def on_before_optimizer_step(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
@@ -72,6 +92,60 @@ class SparsityCallback(pl.Callback):
             metrics[f"{prefix}/itop"] = self.itop_rate()
             self.unlogged_update = False
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+
+def sparsity_hparams(
+    sparsity: SparsityAlgorithm | Group, prefix: str = "sparsity"
+) -> dict[str, HParam]:
+    """The settings of an algorithm (or every member of a `Group`) as flat, JSON-able values.
+
+    Keys are ``<prefix>/<setting>`` (``<prefix>/<member index>/<setting>`` in a Group):
+    ``algorithm`` (registry name), ``sparsity`` (a float, or the schedule's repr), ``update``,
+    ``drop_fraction`` (drop-and-grow only), ``init_method``, ``distribution``, ``shaper``,
+    ``param_filter``, ``params`` (tensors sparsified; 0 before ``apply``) and ``seed``.
+    """
+    if isinstance(sparsity, Group):
+        out: dict[str, HParam] = {
+            f"{prefix}/algorithm": "group",
+            f"{prefix}/members": len(sparsity),
+        }
+        for index, (param_filter, member) in enumerate(sparsity.members):
+            out.update(sparsity_hparams(member, f"{prefix}/{index}"))
+            out[f"{prefix}/{index}/param_filter"] = _callable_name(param_filter)
+        return out
+    settings: dict[str, HParam] = {
+        "algorithm": type(sparsity).__name__.lower(),
+        "sparsity": _schedule_value(sparsity.sparsity),
+        "update": repr(sparsity.update_schedule),
+        "init_method": _init_method_name(sparsity.init_method),
+        "distribution": sparsity.layers.name,
+        "shaper": repr(sparsity.shaper),
+        "param_filter": _callable_name(sparsity.param_filter),
+        "params": len(sparsity.sparse_params),
+        "seed": sparsity.seed,
+    }
+    if sparsity.drop_fraction is not None:
+        settings["drop_fraction"] = _schedule_value(sparsity.drop_fraction)
+    return {f"{prefix}/{key}": value for key, value in settings.items()}
+
+
+def _schedule_value(schedule: Any) -> float | str:
+    """A constant as its number (plots and filters can use it), any other schedule as its repr."""
+    return float(schedule.value) if isinstance(schedule, Constant) else repr(schedule)
+
+
+def _init_method_name(init_method: Any) -> str:
+    for name, method in INIT_METHODS.items():
+        if method is init_method:
+            return name
+    return _callable_name(init_method)
+
+
+def _callable_name(fn: Any) -> str:
+    """``"default"`` for ``None``; a glob filter's ``glob_filter([...])``; else the qualname."""
+    if fn is None:
+        return "default"
+    return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
 def update_metrics(stats: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

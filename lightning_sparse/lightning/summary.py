@@ -44,7 +44,7 @@ from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, model_flops
 from lightning_sparse.core.report import sparsity_report
 
-__all__ = ["SparseRunSummary", "attention_dims", "unigram_cross_entropy"]
+__all__ = ["SparseRunSummary", "attention_dims", "flat_summary", "unigram_cross_entropy"]
 
 _COUNTERS = ("tokens", "train_flops", "dense_train_flops", "dense_grad_flops", "dense_grad_steps")
 VAL_KEYS = ("val/loss", "val_loss")  # looked for, in order, when no monitor is configured
@@ -293,6 +293,16 @@ class SparseRunSummary(pl.Callback):
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
         path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
         self._emit(path, self.summary)
+        self._to_wandb(trainer, self.summary)
+
+    @rank_zero_only
+    def _to_wandb(self, trainer: pl.Trainer, summary: dict[str, Any]) -> None:
+        """Put the summary (flat keys, `flat_summary`) into every W&B run's summary."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.experiment.summary.update(flat_summary(summary))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         conv = getattr(self, "_conv", None)
@@ -446,6 +456,26 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
             f"  CSR rebuilds {device['rebuilds']} ({device['rebuild_seconds']:.2f} s)",
         ]
     return "\n".join(lines)
+
+
+def flat_summary(summary: dict[str, Any], prefix: str = "summary") -> dict[str, Any]:
+    """A `SparseRunSummary.build` result as flat ``<prefix>/<key>/<key>`` -> scalar (for a W&B
+    run summary): nested dicts are followed, ``algorithms`` joined with ``+``, ``stages`` as
+    text (``sparse 80.0% for steps 0-40``); the curves are left out (they are logged metrics)."""
+    out: dict[str, Any] = {}
+    for key, value in summary.items():
+        name = f"{prefix}/{key}"
+        if key in ("val_curve", "train_curve", "looked_for"):
+            continue
+        if key == "stages":
+            out[name] = ", then ".join(_stage_text(st) for st in value)
+        elif key == "algorithms":
+            out[name] = "+".join(value)
+        elif isinstance(value, Mapping):
+            out.update(flat_summary(dict(value), name))
+        elif value is None or isinstance(value, str | int | float | bool):
+            out[name] = value
+    return out
 
 
 def _stage_text(stage: dict[str, Any]) -> str:

@@ -466,6 +466,7 @@ def run(args: list[str]) -> SparseCLI:
         "--ckpt_path last resumes the latest run."
     )
     saved_run_env = os.environ.get(RUN_ENV)
+    outer_wandb_run = _wandb_run()
     # No base classes: model and data are any LightningModule / LightningDataModule named by
     # class_path, and data is optional (a LightningModule may bring its own dataloaders).
     try:
@@ -487,6 +488,17 @@ def run(args: list[str]) -> SparseCLI:
             os.environ.pop(RUN_ENV, None)
         else:
             os.environ[RUN_ENV] = saved_run_env
+        # A W&B run this call started ends with it: WandbLogger reuses the process's active run,
+        # so the next in-process run (a sweep's next point) would log into this one.
+        run = _wandb_run()
+        if run is not None and run is not outer_wandb_run:
+            run.finish()
+
+
+def _wandb_run() -> Any:
+    """The process's active W&B run (``wandb.run``), or None; never imports wandb."""
+    wandb = sys.modules.get("wandb")
+    return getattr(wandb, "run", None)
 
 
 def main(args: list[str] | None = None) -> None:

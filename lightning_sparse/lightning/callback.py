@@ -61,9 +61,12 @@ class SparsityCallback(pl.Callback):
         """`sparsity_hparams` to every logger (W&B run config, CSV/TensorBoard hparams), under
         ``sparsity/`` or, with several sparsity callbacks, ``sparsity/<position>/``: positions,
         not ``name`` (a process-wide counter), so a recipe gives the same keys in every run."""
-        callbacks = [c for c in trainer.callbacks if isinstance(c, SparsityCallback)]
-        index = next(i for i, c in enumerate(callbacks) if c is self)
-        prefix = f"sparsity/{index}" if len(callbacks) > 1 else "sparsity"
+        # A workflow (IterativePruning, VariableSPDF) drives its algorithm from its own hooks.
+        drivers = [getattr(c, "algorithm", c) for c in trainer.callbacks]
+        callbacks = [c for c in drivers if isinstance(c, SparsityCallback)]
+        index = next((i for i, c in enumerate(callbacks) if c is self), None)
+        several = len(callbacks) > 1 and index is not None
+        prefix = f"sparsity/{index}" if several else "sparsity"
         hparams = sparsity_hparams(self, prefix)  # type: ignore[arg-type]
         for logger in trainer.loggers:
             logger.log_hyperparams(hparams)  # loggers act on rank zero only

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ def test_recipe_trains_tiny_and_summarises(name: str, tmp_path: Path) -> None:
     logger = [] if name == "rigl" else CSV  # the default recipe keeps its W&B logger (offline)
     run = cli.run(["fit", "--config", str(recipe(name)), *TINY, *logger])
     assert run.trainer.global_step == 4
+    if name == "rigl":  # the W&B run ended with the call: the next in-process run is a new one
+        assert sys.modules["wandb"].run is None
     summary = summary_of(run)
     saved = json.loads(Path(run.trainer.log_dir, "summary.json").read_text())
     assert saved == json.loads(json.dumps(summary))  # the JSON is what was printed

@@ -130,6 +130,21 @@ def assert_state_equal(a: object, b: object, path: str = "state") -> None:
 REPO = Path(__file__).resolve().parents[1]
 
 
+def hf_llama_fields(**overrides: Any) -> dict[str, Any]:
+    """Fields of a tiny random-init ``transformers.LlamaConfig`` (the HF tests' model)."""
+    return {
+        "vocab_size": 64,
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "max_position_embeddings": 32,
+        "pad_token_id": 0,
+        **overrides,
+    }
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for ``MASTER_PORT``)."""
     with socket.socket() as s:

@@ -17,18 +17,9 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_sparse.core import Group, RigL, Static  # noqa: E402
 from lightning_sparse.integrations.hf import STATE_FILE, SparsityTrainerCallback  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402, F401
+from tests.helpers import hf_llama_fields, one_thread  # noqa: E402, F401
 
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=16,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    intermediate_size=32,
-    max_position_embeddings=32,
-    pad_token_id=0,
-)
+LLAMA = hf_llama_fields(hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 
 
 class Tokens(torch.utils.data.Dataset):

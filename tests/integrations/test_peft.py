@@ -22,18 +22,9 @@ from lightning_sparse import RigL as LitRigL  # noqa: E402
 from lightning_sparse.core import RigL, Static, densify, strip_masks  # noqa: E402
 from lightning_sparse.models import LitCausalLM  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import one_torch_thread, trainer  # noqa: E402
+from tests.helpers import hf_llama_fields, one_torch_thread, trainer  # noqa: E402
 
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    intermediate_size=64,
-    max_position_embeddings=32,
-    pad_token_id=0,
-)
+LLAMA = hf_llama_fields()
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 BASE = "*base_layer.weight"  # the frozen weights LoRA wraps
 EVERY_STEP = {"freq": 1}  # RigL would update every step: frozen masks must not move

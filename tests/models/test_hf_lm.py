@@ -18,18 +18,9 @@ pytest.importorskip("tokenizers")
 from lightning_sparse.app import cli  # noqa: E402
 from lightning_sparse.models import LitCausalLM  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import one_torch_thread, trainer  # noqa: E402
+from tests.helpers import hf_llama_fields, one_torch_thread, trainer  # noqa: E402
 
-LLAMA = dict(
-    model_type="llama",
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    intermediate_size=48,
-    max_position_embeddings=32,
-)
+LLAMA = {"model_type": "llama", **hf_llama_fields(num_hidden_layers=1, intermediate_size=48)}
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "hf_llama_tiny.yaml"
 DROPOUT = {**LLAMA, "attention_dropout": 0.5}
 

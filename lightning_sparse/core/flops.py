@@ -383,6 +383,12 @@ class ConvPositionRecorder:
             for name, module in model.named_modules()
             if isinstance(module, nn.Conv2d)
         ]
+        self.convs = len(self._handles)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every Conv2d has run (its output size is known)."""
+        return len(self.positions) >= self.convs
 
     def _recorder(self, name: str) -> Callable[[nn.Module, object, torch.Tensor], None]:
         def record(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
@@ -396,6 +402,25 @@ class ConvPositionRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def batch_shape(batch: object) -> tuple[int, int] | None:
+    """``(sequences, tokens per sequence)`` of a training batch, as the FLOP counts read it.
+
+    - integer ``[B, T + 1]`` token windows (inputs plus the shifted target) -> ``(B, T)``;
+    - floating ``[B, ...]`` examples (images ``[B, C, H, W]``, feature vectors) -> ``(B, 1)``:
+      one "token" per example, so Conv2d layers cost ``2 * kept * H_out * W_out`` each;
+    - a tuple or list (``(inputs, labels)``) is read through its first element;
+    - ``None`` for anything else.
+    """
+    first = batch[0] if isinstance(batch, list | tuple) and batch else batch
+    if not torch.is_tensor(first) or first.ndim < 2:
+        return None
+    if first.is_floating_point():
+        return first.shape[0], 1
+    if first.ndim == 2 and first.shape[1] >= 2:
+        return first.shape[0], first.shape[1] - 1
+    return None
 
 
 def conv_output_positions(model: nn.Module, *inputs: object) -> dict[str, int]:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
-from lightning_sparse.core.flops import FlopReport, model_flops
+from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, batch_shape, model_flops
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.summary import attention_dims
 
@@ -68,27 +68,32 @@ class FlopSegment:
 
 
 def tokens_in_batch(batch: Any) -> tuple[int, int]:
-    """``(tokens, seq_len)`` of a batch of token windows ``[B, T + 1]`` (inputs plus the shifted
-    target, as ``ByteTextDataModule`` yields); a tuple or list is read through its first tensor.
+    """``(tokens, seq_len)`` of a batch (`lightning_sparse.core.flops.batch_shape`): integer
+    token windows ``[B, T + 1]`` give ``(B * T, T)``; floating examples ``[B, ...]`` (images)
+    give ``(B, 1)``, one "token" per example; a tuple or list is read through its first tensor.
 
     Raises:
-        TypeError: if the batch holds no tensor of at least two dimensions.
+        TypeError: if the batch is neither.
     """
-    tensor = batch[0] if isinstance(batch, list | tuple) and batch else batch
-    if not torch.is_tensor(tensor) or tensor.ndim < 2:
+    shape = batch_shape(batch)
+    if shape is None:
+        first = batch[0] if isinstance(batch, list | tuple) and batch else batch
         raise TypeError(
-            f"FlopCounter expects batches of token windows [B, T + 1], got {type(tensor).__name__}"
-            f"{tuple(tensor.shape) if torch.is_tensor(tensor) else ''}; count FLOPs yourself with "
-            "lightning_sparse.core.flops.model_flops for other batch layouts"
+            "FlopCounter expects integer token windows [B, T + 1] or floating examples [B, ...] "
+            f"(or a tuple starting with one), got {type(first).__name__}"
+            + (f" of shape {tuple(first.shape)}" if torch.is_tensor(first) else "")
         )
-    seq_len = tensor.shape[1] - 1
-    return tensor.shape[0] * seq_len, seq_len
+    sequences, seq_len = shape
+    return sequences * seq_len, seq_len
 
 
-def lm_flops(module: nn.Module, seq_len: int) -> FlopReport:
+def lm_flops(
+    module: nn.Module, seq_len: int, conv_positions: dict[str, int] | None = None
+) -> FlopReport:
     """``model_flops`` of ``module`` with attention terms from its ``config`` (``attention_dims``:
-    ``LlamaConfig`` or a Hugging Face config; left out when none is found)."""
-    return model_flops(module, seq_len, **attention_dims(module))
+    ``LlamaConfig`` or a Hugging Face config; left out when none is found) and Conv2d layers at
+    ``conv_positions`` (``{name: H_out * W_out}``, recorded from the forward)."""
+    return model_flops(module, seq_len, **attention_dims(module), conv_positions=conv_positions)
 
 
 def mask_names(model: nn.Module) -> tuple[str, ...]:
@@ -129,6 +134,7 @@ class FlopCounter(pl.Callback):
         self._hooked: set[int] = set()
         self._batch: tuple[int, int, int] | None = None  # (step, tokens, seq_len) in flight
         self._batch_cost: tuple[int, int, float] | None = None
+        self._conv: ConvPositionRecorder | None = None  # Conv2d output sizes, from the forward
 
     # ------------------------------------------------------------------ totals
     def all_segments(self) -> list[FlopSegment]:
@@ -183,7 +189,8 @@ class FlopCounter(pl.Callback):
         self._dirty = True
 
     def _measure(self, pl_module: pl.LightningModule, seq_len: int) -> tuple[int, int, float]:
-        report = lm_flops(pl_module, seq_len)
+        positions = dict(self._conv.positions) if self._conv is not None else {}
+        report = lm_flops(pl_module, seq_len, positions)
         rows = sparsity_report(pl_module, masked_only=True).rows
         for name, row in rows.items():
             self.ever_masked[name] = int(row["numel"])  # type: ignore[arg-type]
@@ -197,7 +204,9 @@ class FlopCounter(pl.Callback):
 
     # ------------------------------------------------------------------ Lightning hooks
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Read the segments of the ``previous`` runs."""
+        """Read the segments of the ``previous`` runs; record Conv2d output sizes."""
+        if self._conv is None:
+            self._conv = ConvPositionRecorder(pl_module)
         self.earlier = []
         for run, path in enumerate(self.previous):
             checkpoint = torch.load(path, map_location="cpu", weights_only=False)
@@ -224,7 +233,7 @@ class FlopCounter(pl.Callback):
         if self._batch is None:
             return
         seq_len = self._batch[2]
-        key = (seq_len, mask_names(pl_module))
+        key = (seq_len, mask_names(pl_module), len(self._conv.positions) if self._conv else 0)
         if self._dirty or key != self._cost_key or self._cost is None:
             self._cost, self._cost_key, self._dirty = self._measure(pl_module, seq_len), key, False
         self._batch_cost = self._cost
@@ -254,6 +263,11 @@ class FlopCounter(pl.Callback):
                 "flop_counter/saved": t["saved"],
             }
             pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Remove the Conv2d recorder's hooks (the sizes recorded stay)."""
+        if self._conv is not None:
+            self._conv.remove()
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Print the table."""

@@ -41,7 +41,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
-from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, model_flops
+from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, batch_shape, model_flops
 from lightning_sparse.core.report import sparsity_report
 
 __all__ = ["SparseRunSummary", "attention_dims", "flat_summary", "unigram_cross_entropy"]
@@ -125,9 +125,24 @@ class SparseRunSummary(pl.Callback):
         shape = self._batch_shape(batch)
         if shape is None:
             return
-        sequences, seq_len = shape
+        conv = getattr(self, "_conv", None)
+        if conv is not None and not conv.complete:  # Conv2d sizes come with the first forward
+            self._deferred = (layers, *shape)
+            return
+        self._count(pl_module, layers, *shape)
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Count a batch deferred until its forward recorded the Conv2d output sizes (the
+        masks are still those of the batch start: updates come before the optimizer step)."""
+        deferred, self._deferred = getattr(self, "_deferred", None), None
+        if deferred is not None:
+            self._count(pl_module, *deferred)
+
+    def _count(
+        self, pl_module: pl.LightningModule, layers: int, sequences: int, seq_len: int
+    ) -> None:
+        """Add one batch's tokens and training FLOPs (dense and with the masks in force)."""
         self._seq_len_seen = seq_len
-        # Conv2d output sizes become known with the first forward.
         conv = getattr(self, "_conv", None)
         key = (layers, len(conv.positions) if conv is not None else 0)
         if self._report is None or self._report.seq_len != seq_len or key != self._layers:
@@ -234,16 +249,19 @@ class SparseRunSummary(pl.Callback):
         return self.counters["train_flops"] + self.counters["dense_grad_flops"]
 
     def _batch_shape(self, batch: Any) -> tuple[int, int] | None:
-        """(sequences, tokens per sequence) of a batch [B, T + 1] or (batch, ...); ``None``
-        (and a warning, once) for other batches, whose tokens and FLOPs are not counted."""
-        tokens = batch[0] if isinstance(batch, list | tuple) and batch else batch
-        if isinstance(tokens, Tensor) and tokens.ndim == 2:
-            return tokens.shape[0], self.seq_len or tokens.shape[1] - 1
+        """(sequences, tokens per sequence) of a batch (`batch_shape`; ``seq_len`` overrides the
+        second); ``None`` (and a warning, once) for other batches, whose tokens and FLOPs are
+        not counted."""
+        shape = batch_shape(batch)
+        if shape is not None:
+            return shape[0], self.seq_len or shape[1]
         if not self._warned:
+            first = batch[0] if isinstance(batch, list | tuple) and batch else batch
             rank_zero_warn(
-                "SparseRunSummary counts tokens from batches shaped [B, T + 1] (or tuples whose "
-                f"first element is one), not {type(tokens).__name__}: tokens and training FLOPs "
-                "are not counted (inference FLOPs still are; set summary.seq_len for them)"
+                "SparseRunSummary counts integer token windows [B, T + 1] or floating examples "
+                f"[B, ...] (or tuples whose first element is one), not {type(first).__name__}: "
+                "tokens and training FLOPs are not counted (inference FLOPs still are; set "
+                "summary.seq_len for them)"
             )
             self._warned = True
         return None

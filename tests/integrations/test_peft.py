@@ -227,7 +227,8 @@ def test_masks_applied_before_peft_load_through_the_wrapper() -> None:
         state[key] = torch.roll(state[key], 1, dims=0)
     wrapped.load_state_dict(state)
     for name, sp in sparsity.sparse_params.items():
-        key = next(k for k in masks if k.endswith(name.replace(".weight", ".base_layer.weight_mask")))
+        moved = name.replace(".weight", ".base_layer.weight_mask")
+        key = next(k for k in masks if k.endswith(moved))
         assert torch.equal(sp.mask, state[key]), name
         assert not sp.param.detach()[~sp.mask].any(), name
 

@@ -44,3 +44,25 @@ def test_summary_counts_conv2d_at_its_output_size(tmp_path: Path) -> None:
     flops = summary.summary["flops"]
     assert flops["inference_per_token_dense"] == 2 * 36 * 36 + 2 * 432
     assert flops["inference_per_token"] == 2 * 9 * 36 + 2 * 432
+
+
+def test_summary_and_flop_counter_count_conv2d_training_flops_per_example(tmp_path: Path) -> None:
+    """Image batches count one "token" per example; both callbacks agree on the FLOPs."""
+    from lightning_sparse import FlopCounter
+
+    data = TensorDataset(torch.randn(8, 1, 6, 6), torch.randint(0, 3, (8,)))
+    summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)
+    counter = FlopCounter(verbose=False)
+    sparsity = Static(0.75, param_filter="conv.weight")
+    trainer(tmp_path, max_steps=2, callbacks=[sparsity, summary, counter]).fit(
+        TinyConvNet(), DataLoader(data, batch_size=4)
+    )
+    sparse, dense = 2 * 9 * 36 + 2 * 432, 2 * 36 * 36 + 2 * 432  # per example
+    totals = counter.summary()
+    assert totals["tokens"] == 8
+    assert totals["flops"] == 3 * sparse * 8
+    assert totals["dense_flops"] == 3 * dense * 8
+    assert [s.forward_flops_per_token for s in counter.segments] == [sparse]
+    flops = summary.summary["flops"]
+    assert summary.summary["tokens"] == 8
+    assert flops["train"] == totals["flops"] and flops["train_dense"] == totals["dense_flops"]

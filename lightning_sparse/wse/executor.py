@@ -97,9 +97,7 @@ class WSEExecutor:
         self.path = path
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Masked Conv2d / HF Conv1D modules running dense: their stats hooks, by module.
-        self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -173,6 +171,10 @@ class _LayerState:
         self.mask: Tensor | None = None  # the tensor the cache was built from
         self.version = -1
         self.owners: list[weakref.ref[SparsityAlgorithm]] = []
+        # (algorithm, sparse-parameter name) of each owner of this weight, and the training path
+        # per token count where an owner keeps pruned entries at 0 (`zeros_kept`).
+        self.owned_as: list[tuple[weakref.ref[SparsityAlgorithm], str]] = []
+        self.train_paths: dict[int, str] = {}
         # Inference: the kept values, gathered once per weight version, and a runner per token
         # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
         self.values: Tensor | None = None
@@ -221,6 +223,20 @@ class _LayerState:
             and any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
         )
         path = self.executor.path
+        if weight.requires_grad and self.zeros_kept(module, mask):
+            # The algorithm keeps pruned weights and gradients at exactly 0, so "dense" is plain
+            # F.linear: same values as the masked copy, no masking passes (its gradient hook
+            # zeroes the weight gradient at pruned positions before any optimizer sees it).
+            tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
+            chosen = self.train_paths.get(tokens)
+            if chosen is None:
+                chosen = resolve_path(x, weight, csr, path, requires_grad=True, zeros_kept=True)
+                self.train_paths[tokens] = chosen
+            if chosen == "dense":
+                y = F.linear(x, weight, bias)
+                self._record(x, y, weight, weight.numel(), dense_grad)
+                return y
+            path = chosen
         if dense_grad:
             y = sparse_linear(x, weight.detach(), csr, bias, path=path)
             y = _DenseWeightGrad.apply(y, x, weight)
@@ -228,6 +244,28 @@ class _LayerState:
             y = sparse_linear(x, weight, csr, bias, path=path)
         self._record(x, y, weight, csr.nnz, dense_grad)
         return y
+
+    def zeros_kept(self, module: WSELinear, mask: Tensor) -> bool:
+        """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
+        it owns the weight under this very mask and its per-step gradient hook is on this very
+        parameter (`core.per_step.StepHooks`). Masks registered without an algorithm
+        (`restore_masks`, a copied model) do not qualify: those layers keep masking."""
+        weight = module.weight
+        for ref, name in self.owned_as:
+            algorithm = ref()
+            if algorithm is None:
+                continue
+            sp = algorithm.sparse_params.get(name)
+            hooks = getattr(algorithm, "hooks", None)
+            if (
+                sp is not None
+                and sp.mask is mask
+                and hooks is not None
+                and hooks._hooked.get(name) is weight
+                and name in hooks._handles
+            ):
+                return True
+        return False
 
     def _infer(
         self, x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None, csr: CSRWeight
@@ -284,15 +322,28 @@ class _LayerState:
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
             # structure object, so the caches keyed on it stay valid.
             self.mask, self.version = mask, version
+            self._find_owners(module)
             return csr
         csr = built
         self.csr, self.mask, self.version = csr, mask, version
-        self.owners = [weakref.ref(a) for a in self.executor.owners_of(module)]
+        self._find_owners(module)
+        self.train_paths = {}
         out_features, in_features = csr.shape
         memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
         self.executor.stats.add_rebuild(self.name, seconds, memory)
         self.executor.check_fallbacks()
         return csr
+
+    def _find_owners(self, module: WSELinear) -> None:
+        """The algorithms owning this weight, read at each (re)build of the structure."""
+        owners = self.executor.owners_of(module)
+        self.owners = [weakref.ref(a) for a in owners]
+        self.owned_as = [
+            (weakref.ref(a), name)
+            for a in owners
+            for name, sp in a.sparse_params.items()
+            if sp.module is module and sp.param_name == "weight"
+        ]
 
     def _record(self, x: Tensor, y: Tensor, weight: Tensor, nnz: int, dense_grad: bool) -> None:
         out_features, in_features = weight.shape

@@ -210,7 +210,12 @@ def _requested_path(path: str | None) -> str:
 
 
 def resolve_path(
-    x: Tensor, weight: Tensor, csr: CSRWeight, path: str | None = None, requires_grad: bool = True
+    x: Tensor,
+    weight: Tensor,
+    csr: CSRWeight,
+    path: str | None = None,
+    requires_grad: bool = True,
+    zeros_kept: bool = False,
 ) -> str:
     """The concrete path ("compiled", "torch" or "dense") a `sparse_linear` call would take.
 
@@ -220,6 +225,9 @@ def resolve_path(
         csr: structure of the mask.
         path: forced path, or "auto"/None to follow `LIGHTNING_SPARSE_WSE_PATH` (default "auto").
         requires_grad: whether the call will be differentiated (auto-tuning times fwd+bwd then).
+        zeros_kept: the caller runs "dense" as plain ``F.linear(x, weight, bias)``, because an
+            algorithm already keeps the pruned weights and gradients at exactly 0 (the device's
+            executor under a sparsity algorithm); "auto" then times that as dense's cost.
 
     Returns:
         The path. "auto" measures the candidates on first use of a key and caches the winner.
@@ -234,11 +242,13 @@ def resolve_path(
             raise ValueError(f"path {requested!r} cannot run here: {reason}")
         return requested
     tokens = x.numel() // max(x.shape[-1], 1)
-    key = _autotune_key(x, csr, tokens, requires_grad)
+    key = (*_autotune_key(x, csr, tokens, requires_grad), zeros_kept and requires_grad)
     if key not in _AUTOTUNE_CACHE:
         candidates = [p for p in PATHS if _unsupported_reason(p, x) is None]
         # "dense" has no unsupported reason: it is always a candidate, the fallback.
-        _AUTOTUNE_CACHE[key] = _autotune(candidates, x, weight, csr, key[-2], requires_grad)
+        _AUTOTUNE_CACHE[key] = _autotune(
+            candidates, x, weight, csr, key[-3], requires_grad, zeros_kept
+        )
     return _AUTOTUNE_CACHE[key]
 
 
@@ -258,6 +268,7 @@ def _autotune(
     csr: CSRWeight,
     tokens: int,
     requires_grad: bool,
+    zeros_kept: bool = False,
 ) -> str:
     """Fastest candidate on synthetic data of the real shapes and structure.
 
@@ -272,7 +283,9 @@ def _autotune(
     ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
     times: dict[str, list[float]] = {p: [] for p in candidates}
     if requires_grad:
-        runs = {p: functools.partial(_time_once, p, xs, ws, csr, True) for p in candidates}
+        runs = {
+            p: functools.partial(_time_once, p, xs, ws, csr, True, zeros_kept) for p in candidates
+        }
     else:  # what inference runs: a runner on pre-gathered values (`inference_runner`)
         values = csr.gather_values(ws)
         mask = csr.to_mask()
@@ -305,12 +318,17 @@ def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor) -> float:
     return time.perf_counter() - start
 
 
-def _time_once(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool) -> float:
+def _time_once(
+    path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool, zeros_kept: bool = False
+) -> float:
     x.grad = weight.grad = None
     _synchronize(x.device)
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
-        y = _run_path(path, x, weight, csr, None)
+        if path == "dense" and zeros_kept:  # what the executor runs then: no masking passes
+            y = F.linear(x, weight)
+        else:
+            y = _run_path(path, x, weight, csr, None)
         if backward:
             y.sum().backward()
     _synchronize(x.device)
@@ -329,7 +347,7 @@ def clear_autotune_cache() -> None:
 
 def autotune_choices() -> dict[tuple, str]:
     """A copy of the "auto" choices made so far, keyed by (device, dtype, shape, density bucket,
-    token bucket, grad)."""
+    token bucket, grad, zeros kept)."""
     return dict(_AUTOTUNE_CACHE)
 
 

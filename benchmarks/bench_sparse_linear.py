@@ -44,14 +44,16 @@ def _step_fn(
     path: str | None,
     x: torch.Tensor,
     weight: torch.Tensor,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     csr: CSRWeight,
     grad_y: torch.Tensor,
 ) -> Callable[[], None]:
     """One forward+backward; `path=None` is plain dense `F.linear` (the baseline)."""
 
     def step() -> None:
-        x.grad = weight.grad = bias.grad = None
+        for tensor in (x, weight, bias):
+            if tensor is not None:
+                tensor.grad = None
         if path is None:
             y = F.linear(x, weight, bias)
         else:

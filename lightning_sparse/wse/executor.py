@@ -31,6 +31,7 @@ for it.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
@@ -57,6 +58,9 @@ from lightning_sparse.wse.stats import LayerMemory, WSEStats
 __all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
 
 _MASK = "weight_mask"
+INFERENCE_DTYPE_ENV = "LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE"
+"""Environment variable: the `WSEExecutor` ``inference_dtype`` default ("float32", "bfloat16")."""
+_INFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CSR_DTYPES = (torch.float32, torch.float64)
 # Per-layer state lives beside the module, not in it, so deepcopy/pickle of a model never drags
 # the executor along (a copy runs as a plain nn.Linear) and removal leaves no attribute behind.
@@ -87,11 +91,31 @@ class WSEExecutor:
         stats: where FLOPs, memory and rebuilds are recorded.
         path: `sparse_linear` path ("auto", "compiled", "torch", "dense"); None follows the
             ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
+        inference_dtype: storage of the kept values in inference (no autograd) of float32
+            layers: "float32" (exact masked dense numbers) or "bfloat16" (opt-in: half the value
+            bytes for memory-bound decode, values rounded to bf16, products summed in fp32;
+            training never changes). None follows ``LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE``
+            (default "float32").
     """
 
-    def __init__(self, root: nn.Module, stats: WSEStats, path: str | None) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        stats: WSEStats,
+        path: str | None,
+        inference_dtype: str | None = None,
+    ) -> None:
         if path is not None and path != "auto" and path not in PATHS:
             raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
+        source = "inference_dtype"
+        if inference_dtype is None:
+            source = INFERENCE_DTYPE_ENV
+            inference_dtype = os.environ.get(INFERENCE_DTYPE_ENV, "float32")
+        if inference_dtype not in _INFERENCE_DTYPES:
+            raise ValueError(
+                f"{source} must be one of {tuple(_INFERENCE_DTYPES)}, got {inference_dtype!r}"
+            )
+        self.inference_dtype = _INFERENCE_DTYPES[inference_dtype]
         self._root = weakref.ref(root)
         self.stats = stats
         self.path = path
@@ -282,11 +306,11 @@ class _LayerState:
 
         if weight.is_inference():  # no version counter to key a cache on
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
-            values = csr.gather_values(weight.detach())
+            values = self._stored(csr.gather_values(weight.detach()))
             return inference_runner(path, values, csr, weight, mask, bias)(x)
         key = self.values_key
         if key is None or key[0] is not csr or key[1] != weight._version or key[2] is not bias:
-            self.values = csr.gather_values(weight.detach())
+            self.values = self._stored(csr.gather_values(weight.detach()))
             self.values_key = (csr, weight._version, bias)
             self.runners = {}
             self.fast = None
@@ -300,6 +324,13 @@ class _LayerState:
             runner = inference_runner(path, self.values, csr, weight, mask, bias)
             self.runners[tokens] = runner
         return runner(x)
+
+    def _stored(self, values: Tensor) -> Tensor:
+        """The kept values as inference holds them (`WSEExecutor` ``inference_dtype``)."""
+        wanted = self.executor.inference_dtype
+        if wanted == torch.bfloat16 and values.dtype == torch.float32:
+            return values.to(torch.bfloat16)
+        return values
 
     def structure(self, module: WSELinear, mask: Tensor, transpose: bool = True) -> CSRWeight:
         """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed (or when
@@ -482,7 +513,11 @@ class _DenseWeightGrad(torch.autograd.Function):
 
 
 def install_executor(
-    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+    model: nn.Module,
+    *,
+    stats: WSEStats | None = None,
+    path: str | None = None,
+    inference_dtype: str | None = None,
 ) -> WSEExecutor:
     """Run ``model``'s masked `nn.Linear` layers in CSR from now on (see the module docstring).
 
@@ -491,14 +526,16 @@ def install_executor(
             becomes a `WSELinear`. Layers another executor ran are taken over.
         stats: where to record FLOPs, memory and rebuilds (default: a new `WSEStats`).
         path: `sparse_linear` path, see `WSEExecutor`.
+        inference_dtype: "float32" or "bfloat16" storage of kept values in inference, see
+            `WSEExecutor`.
 
     Returns:
         The executor; ``executor.remove()`` undoes the installation.
 
     Raises:
-        ValueError: on an unknown ``path``.
+        ValueError: on an unknown ``path`` or ``inference_dtype``.
     """
-    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path)
+    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path, inference_dtype)
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear
@@ -511,7 +548,11 @@ def install_executor(
 
 @contextmanager
 def on_wse(
-    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+    model: nn.Module,
+    *,
+    stats: WSEStats | None = None,
+    path: str | None = None,
+    inference_dtype: str | None = None,
 ) -> Iterator[WSEExecutor]:
     """``with on_wse(model) as executor:`` runs ``model`` on the device inside the block.
 
@@ -522,7 +563,7 @@ def on_wse(
         with on_wse(lit):
             tokens = lit.model.generate(prompt, max_new_tokens=32, temperature=0)
     """
-    executor = install_executor(model, stats=stats, path=path)
+    executor = install_executor(model, stats=stats, path=path, inference_dtype=inference_dtype)
     try:
         yield executor
     finally:

@@ -123,11 +123,19 @@ def inference_runner(
 
     Args:
         path: "compiled", "torch" or "dense" (`resolve_path`).
-        values: `[nnz]` kept values in CSR order; csr: their structure.
+        values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
+            float32 values: every path computes in float32 with the rounded values; the
+            compiled one-token kernel reads the bf16 values directly); csr: their structure.
         weight, mask: the live dense weight and its bool mask (used by the "dense" path).
         bias: optional `[out]`.
     """
     out_features, in_features = csr.shape
+    if values.dtype == torch.bfloat16 and path != "compiled":
+        # bf16 storage (`inference_dtype`): the same rounded values on every path.
+        values = values.float()
+        if path == "dense":
+            dense = csr.to_dense(values)
+            return lambda x: F.linear(x, dense, bias)
     if path == "dense":
         # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
         # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
@@ -146,10 +154,18 @@ def inference_runner(
             return y2.reshape(*x.shape[:-1], out_features)
 
         return run_backend
+    stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
+    if values.dtype == torch.bfloat16:
+        values = values.float()
     spmm = _native_function("ls_spmm", values.dtype)
     pointers = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), values.data_ptr())
     bias_pointer = None if bias is None else bias.data_ptr()
-    keep = (csr, values, bias)  # the pointers stay valid while the runner lives
+    spmv, one_token = None, None
+    if values.dtype == torch.float32:
+        spmv, one_token = _one_token_layout(csr, stored)
+        if stored.dtype == torch.bfloat16:
+            values = pointers = None  # type: ignore[assignment]  # built on a prefill call
+    keep = [csr, stored, values, bias, one_token]  # the pointers stay valid while it lives
 
     def run(x: Tensor) -> Tensor:
         x2 = x.reshape(-1, in_features)
@@ -157,12 +173,45 @@ def inference_runner(
             x2 = x2.contiguous()
         tokens = x2.shape[0]
         out = x2.new_empty(tokens, out_features)
-        spmm(*pointers, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
-             out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        if tokens == 1 and spmv is not None:
+            spmv(*one_token[0], x2.data_ptr(), bias_pointer, out_features, out.data_ptr(),
+                 torch.get_num_threads())  # fmt: skip
+        else:
+            ptrs = pointers
+            if ptrs is None:  # bf16 storage: widen per multi-token call (prefill), not kept
+                wide = stored.float()
+                ptrs = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), wide.data_ptr())
+            spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
+                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
     run.keep = keep  # type: ignore[attr-defined]
     return run
+
+
+def _one_token_layout(
+    csr: CSRWeight, values: Tensor
+) -> tuple[Callable[..., None], tuple[tuple[int, int, int], tuple[Tensor, ...]]]:
+    """The native one-token kernel for ``csr`` and its operands: column indices as 16-bit
+    (unsigned, held as int16 bit patterns) when ``in <= 65536``, else the int32 ones; values
+    fp32 or bf16 as given. Returns (kernel, ((crow, col, values) pointers, tensors to keep))."""
+    in_features = csr.shape[1]
+    if in_features <= _U16_COLUMNS:
+        col = csr.col_indices.to(torch.int16)  # the low 16 bits: the column as uint16
+        index_kind = "u16"
+    else:
+        col, index_kind = csr.col_indices, "i32"
+    values_kind = "bf16" if values.dtype == torch.bfloat16 else "f32"
+    lib, reason = _native_library()
+    if lib is None:
+        raise RuntimeError(f"the compiled path is unavailable: {reason}")
+    kernel = getattr(lib, f"ls_spmv_{values_kind}_{index_kind}")
+    pointers = (csr.crow_indices.data_ptr(), col.data_ptr(), values.data_ptr())
+    return kernel, (pointers, (col, values))
+
+
+_U16_COLUMNS = 1 << 16
+"""Widest weight whose column indices the one-token kernel stores in 16 bits."""
 
 
 def _check_inputs(x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> None:
@@ -309,11 +358,17 @@ def choose_path(best: dict[str, float], margin: float = AUTOTUNE_MARGIN) -> str:
     return fastest
 
 
+_RUNNER_CALLS = 8
+"""Calls per timed inference sample: a one-token call takes microseconds, below timer and
+scheduler noise on a shared machine."""
+
+
 def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor) -> float:
     _synchronize(x.device)
     start = time.perf_counter()
     with torch.no_grad():
-        runner(x)
+        for _ in range(_RUNNER_CALLS):
+            runner(x)
     _synchronize(x.device)
     return time.perf_counter() - start
 
@@ -527,6 +582,11 @@ def _native_library() -> tuple[ctypes.CDLL | None, str | None]:
             function = getattr(lib, f"{name}_{suffix}")
             function.argtypes = [pointer] * 3 + [size] * 2 + [pointer, ctypes.c_int]
             function.restype = None
+    for values_kind in ("f32", "bf16"):
+        for index_kind in ("u16", "i32"):
+            spmv = getattr(lib, f"ls_spmv_{values_kind}_{index_kind}")
+            spmv.argtypes = [pointer] * 5 + [size, pointer, ctypes.c_int]
+            spmv.restype = None
     return lib, None
 
 

@@ -663,3 +663,32 @@ def test_dense_path_without_an_algorithm_still_masks(monkeypatch: pytest.MonkeyP
     assert torch.equal(
         layer.weight.grad[~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64)
     )
+
+
+def test_bf16_inference_storage_is_opt_in_and_training_stays_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    layer.apply(Static(0.8, param_filter="weight"))
+    x = torch.randn(1, 64)
+    exact = F.linear(x, layer.weight * layer.weight_mask, layer.bias)
+    rounded = F.linear(
+        x.double(),
+        layer.weight.to(torch.bfloat16).double() * layer.weight_mask,
+        layer.bias.double(),
+    ).float()
+    with on_wse(layer, path=PATH, inference_dtype="bfloat16"):
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), rounded, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(layer(x), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), exact)  # training: fp32, unchanged
+    monkeypatch.setenv("LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE", "bfloat16")
+    with on_wse(layer, path=PATH), torch.no_grad():
+        torch.testing.assert_close(layer(x), rounded, atol=1e-5, rtol=1e-5)
+    monkeypatch.delenv("LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE")
+    with on_wse(layer, path=PATH), torch.no_grad():  # default: fp32
+        torch.testing.assert_close(layer(x), exact)
+    with pytest.raises(ValueError, match="inference_dtype must be one of .*'float16'"):
+        install_executor(layer, inference_dtype="float16")
+    assert type(layer) is nn.Linear  # nothing installed by the failed call

@@ -64,7 +64,10 @@ def _step_fn(
 
 
 def _interleaved_medians(
-    fns: dict[str, Callable[[], None]], repeats: int, clock: Callable[[], float]
+    fns: dict[str, Callable[[], None]],
+    repeats: int,
+    clock: Callable[[], float],
+    summary: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in fns}
     for fn in fns.values():  # warm-up: allocator, thread pool, caches
@@ -74,7 +77,7 @@ def _interleaved_medians(
             start = clock()
             fn()
             times[name].append(clock() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: summary(ts) for name, ts in times.items()}
 
 
 DECODE_CALLS = 50  # one-token calls per timed sample (each is microseconds)

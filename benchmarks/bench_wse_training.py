@@ -203,7 +203,7 @@ def _gathers(csr: Any, weight: torch.Tensor) -> None:
 
 def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) -> None:
     """Amdahl's law for the step at 90%: the 28 masked Linear layers timed alone (fwd+bwd at the
-    step's token count, 15 interleaved repeats, medians), dense as the cpu accelerator runs them
+    step's token count, 15 interleaved repeats, minimums), dense as the cpu accelerator runs them
     (plain ``F.linear``: its algorithm keeps pruned weights at 0) against what the device runs
     (the path "auto" picks with ``zeros_kept``), plus the device's per-step value gathers; the
     rest of the step (attention, norms, SwiGLU, embeddings, head, loss, optimizer, Lightning) is
@@ -236,7 +236,8 @@ def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) ->
             "device": _step_fn(None if path == "dense" else path, x, weight, bias, csr, grad_y),
             "gathers": functools.partial(_gathers, csr, weight.detach()),
         }
-        medians = _interleaved_medians(fns, 15, time.perf_counter)
+        # Minimums: each layer's intrinsic cost, the least disturbed by other processes.
+        medians = _interleaved_medians(fns, 15, time.perf_counter, min)
         dense_total += count * medians["dense"] * 1e3
         sparse_total += count * medians["device"] * 1e3
         gather_total += count * medians["gathers"] * 1e3
@@ -246,13 +247,16 @@ def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) ->
             f"{1e3 * medians['gathers']:.3f}"
         )
     rest = cpu_ms - dense_total
+    if rest <= 0:
+        print(f"cpu step {cpu_ms:.1f} ms <= its layers alone {dense_total:.1f} ms: too noisy")
+        return
     print(
         f"per step: masked layers dense {dense_total:.1f} ms, on the device {sparse_total:.1f} ms "
         f"(value gathers {gather_total:.1f} ms); cpu step {cpu_ms:.1f} ms = layers "
         f"{dense_total:.1f} + rest {rest:.1f}; predicted wse step rest + device layers = "
         f"{rest + sparse_total:.1f} ms (measured {wse_ms:.1f}); predicted speedup "
         f"{cpu_ms / (rest + sparse_total):.2f}x; bound with free sparse layers "
-        f"{cpu_ms / max(rest, 1e-9):.2f}x"
+        f"{cpu_ms / rest:.2f}x"
     )
 
 

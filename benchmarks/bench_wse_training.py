@@ -195,6 +195,63 @@ def report(
         )
 
 
+_CATEGORIES = {  # aten operator name fragments -> part of the step
+    "matmul (all Linear layers, head included)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "attention (SDPA)": ("scaled_dot_product",),
+    "loss (log-softmax, NLL)": ("log_softmax", "nll_loss"),
+    "optimizer (fused AdamW)": ("adamw", "_foreach"),
+}
+
+
+def rest_by_operator(cfg: dict[str, int], tokens: int, cpu_ms: float) -> str:
+    """Self CPU time per part of one plain-PyTorch dense step of the same model (no Lightning,
+    no sparsity: torch.profiler over 3 steps), against the Lightning cpu step at 90%."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_sparse.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**cfg))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    seq = cfg["max_seq_len"]
+    batch = torch.randint(0, cfg["vocab_size"], (max(tokens // seq, 1), seq + 1))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        logits = model(batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    plain_ms = (time.perf_counter() - start) / 3 * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    parts = dict.fromkeys(
+        [*_CATEGORIES, "elementwise (norms, RoPE, SwiGLU, residuals) + rest"], 0.0
+    )
+    total = 0.0
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        ms = event.self_cpu_time_total / 1e3 / 3
+        total += ms
+        part = next(
+            (c for c, keys in _CATEGORIES.items() if any(k in event.key for k in keys)), None
+        )
+        parts[part or "elementwise (norms, RoPE, SwiGLU, residuals) + rest"] += ms
+    shares = ", ".join(f"{name} {ms / total:.0%}" for name, ms in parts.items())
+    return (
+        f"plain dense step (no Lightning, no sparsity) {plain_ms:.1f} ms; Lightning + RigL + "
+        f"masking around it: {cpu_ms - plain_ms:.1f} ms of the cpu step; aten self time by part: "
+        f"{shares}"
+    )
+
+
 def _gathers(csr: Any, weight: torch.Tensor) -> None:
     """The device's per-step value gathers of one layer (forward: CSR order; backward: W^T)."""
     csr.gather_values(weight)
@@ -247,6 +304,7 @@ def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) ->
             f"{1e3 * medians['gathers']:.3f}"
         )
     rest = cpu_ms - dense_total
+    print(rest_by_operator(cfg, tokens, cpu_ms))
     if rest <= 0:
         print(f"cpu step {cpu_ms:.1f} ms <= its layers alone {dense_total:.1f} ms: too noisy")
         return

@@ -16,6 +16,10 @@ no algorithm, no forward hook.
   whose content is unchanged (DDP's buffer broadcast, reloading the same masks) costs one
   comparison, not a rebuild. A mask that appears later (an algorithm applied after installation,
   `register_masks` for inference) is picked up by the next forward.
+- a mask, and the dense path chosen for a layer whose live algorithm keeps pruned weights and
+  gradients at exactly 0 (`_LayerState.zeros_kept`): plain ``F.linear(x, weight, bias)``, no
+  masked copies ("auto" times that as its dense candidate); the algorithm's gradient hook zeroes
+  the weight gradient at pruned positions before any optimizer sees it.
 - a mask, and an algorithm owning this weight has ``dense_grad_needed`` set (the backward of a
   RigL/GraNet update step): forward and input gradient stay sparse, and the weight gradient is the
   full dense ``grad_Y^T X`` (the gradient `nn.Linear` gives), for the algorithm to score growth.

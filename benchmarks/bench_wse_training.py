@@ -180,12 +180,13 @@ def report(
             f"wse {GOAL_SPARSITY}: {stats.total_rebuilds} CSR builds, "
             f"{1e3 * stats.total_rebuild_seconds:.1f} ms in all"
         )
-        choices = sorted({(k[2], k[3], k[5], v) for k, v in autotune_choices().items()})
+        choices = sorted({(k[2], k[3], k[5], k[6], v) for k, v in autotune_choices().items()})
         print(
-            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad): "
+            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad; kept = "
+            "dense is plain F.linear under the algorithm): "
             + ", ".join(
-                f"{shape} {bucket} {'fwd+bwd' if grad else 'fwd'} -> {path}"
-                for shape, bucket, grad, path in choices
+                f"{shape} {bucket} {'fwd+bwd' if grad else 'fwd'}{' kept' * kept} -> {path}"
+                for shape, bucket, grad, kept, path in choices
             )
         )
         ratio = med[f"cpu {GOAL_SPARSITY:.2f}"] / med[f"wse {GOAL_SPARSITY:.2f}"]
@@ -297,6 +298,8 @@ def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) ->
         medians = _interleaved_medians(fns, 15, time.perf_counter, min)
         dense_total += count * medians["dense"] * 1e3
         sparse_total += count * medians["device"] * 1e3
+        if path == "dense":  # plain F.linear gathers nothing
+            medians["gathers"] = 0.0
         gather_total += count * medians["gathers"] * 1e3
         print(
             f"  {out_features}x{in_features} x{count}: dense {1e3 * medians['dense']:.2f}, "

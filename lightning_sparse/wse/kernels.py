@@ -345,7 +345,8 @@ def _autotune(
         values = csr.gather_values(ws)
         mask = csr.to_mask()
         runners = {p: inference_runner(p, values, csr, ws, mask, None) for p in candidates}
-        runs = {p: functools.partial(_time_runner, runners[p], xs) for p in candidates}
+        calls = _RUNNER_CALLS if tokens <= _FEW_TOKENS else 1
+        runs = {p: functools.partial(_time_runner, runners[p], xs, calls) for p in candidates}
     for repeat in range(_AUTOTUNE_REPEATS + 1):
         for p in candidates:
             elapsed = runs[p]()
@@ -372,8 +373,8 @@ def _close_call(best: dict[str, float]) -> bool:
     dense = best["dense"]
     return any(
         abs(seconds - dense) <= _AUTOTUNE_CLOSE * dense
-        for path, seconds in best.items()
-        if path != "dense"
+        for name, seconds in best.items()
+        if name != "dense"
     )
 
 
@@ -387,16 +388,16 @@ def choose_path(best: dict[str, float], margin: float = AUTOTUNE_MARGIN) -> str:
     return fastest
 
 
-_RUNNER_CALLS = 8
-"""Calls per timed inference sample: a one-token call takes microseconds, below timer and
-scheduler noise on a shared machine."""
+_RUNNER_CALLS, _FEW_TOKENS = 8, 16
+"""Calls per timed inference sample for calls of at most `_FEW_TOKENS` tokens: a one-token call
+takes microseconds, below timer and scheduler noise on a shared machine."""
 
 
-def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor) -> float:
+def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor, calls: int = 1) -> float:
     _synchronize(x.device)
     start = time.perf_counter()
     with torch.no_grad():
-        for _ in range(_RUNNER_CALLS):
+        for _ in range(calls):
             runner(x)
     _synchronize(x.device)
     return time.perf_counter() - start

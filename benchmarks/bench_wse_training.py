@@ -16,6 +16,7 @@ left out of the medians of ordinary steps.
 
     python benchmarks/bench_wse_training.py [--steps 11] [--warmup 3] [--threads 2]
     python benchmarks/bench_wse_training.py --quick     # smoke run: tiny model, 3 steps
+    python benchmarks/bench_wse_training.py --sparsities 0.9 --breakdown   # + Amdahl breakdown
 
 Goal: wse at 90% >= 1.5x the cpu accelerator at 90% (ratio of median ordinary steps).
 """
@@ -23,6 +24,8 @@ Goal: wse at 90% >= 1.5x the cpu accelerator at 90% (ratio of median ordinary st
 from __future__ import annotations
 
 import argparse
+import functools
+import time
 from typing import Any
 
 import torch
@@ -87,6 +90,11 @@ def main() -> None:
         "--sparsities", default=",".join(map(str, SPARSITIES)), help="comma-separated curve"
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps (smoke run)")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time the 28 sparse layers alone at 90%% (Amdahl bound of the step speedup)",
+    )
     args = parser.parse_args()
     cfg = dict(RECIPE)
     sparsities = [float(s) for s in args.sparsities.split(",")]
@@ -119,6 +127,12 @@ def main() -> None:
         for run in runs.values():
             run.close()
     report(runs, times, sparsities)
+    if args.breakdown and f"wse {GOAL_SPARSITY:.2f}" in runs:
+        ordinary = [t for i, t in enumerate(times[f"cpu {GOAL_SPARSITY:.2f}"]) if i not in (1, 2)]
+        wse_ordinary = [
+            t for i, t in enumerate(times[f"wse {GOAL_SPARSITY:.2f}"]) if i not in (1, 2)
+        ]
+        breakdown(cfg, args.batch * seq, median_ms(ordinary), median_ms(wse_ordinary))
     for name, run in runs.items():
         if run.trainer.global_step != len(batches):
             print(f"WARNING: {name} ran {run.trainer.global_step} steps, expected {len(batches)}")
@@ -166,12 +180,13 @@ def report(
             f"wse {GOAL_SPARSITY}: {stats.total_rebuilds} CSR builds, "
             f"{1e3 * stats.total_rebuild_seconds:.1f} ms in all"
         )
-        choices = sorted({(k[2], k[3], k[5], v) for k, v in autotune_choices().items()})
+        choices = sorted({(k[2], k[3], k[5], k[6], v) for k, v in autotune_choices().items()})
         print(
-            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad): "
+            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad; kept = "
+            "dense is plain F.linear under the algorithm): "
             + ", ".join(
-                f"{shape} {bucket} {'fwd+bwd' if grad else 'fwd'} -> {path}"
-                for shape, bucket, grad, path in choices
+                f"{shape} {bucket} {'fwd+bwd' if grad else 'fwd'}{' kept' * kept} -> {path}"
+                for shape, bucket, grad, kept, path in choices
             )
         )
         ratio = med[f"cpu {GOAL_SPARSITY:.2f}"] / med[f"wse {GOAL_SPARSITY:.2f}"]
@@ -179,6 +194,131 @@ def report(
         print(
             f"\ngoal: wse / cpu speedup at {GOAL_SPARSITY:.0%} >= {GOAL}x: {ratio:.2f}x {verdict}"
         )
+
+
+_CATEGORIES = {  # aten operator name fragments -> part of the step
+    "matmul (all Linear layers, head included)": ("aten::mm", "aten::addmm", "aten::bmm"),
+    "attention (SDPA)": ("scaled_dot_product",),
+    "loss (log-softmax, NLL)": ("log_softmax", "nll_loss"),
+    "optimizer (fused AdamW)": ("adamw", "_foreach"),
+}
+
+
+def rest_by_operator(cfg: dict[str, int], tokens: int, cpu_ms: float) -> str:
+    """Self CPU time per part of one plain-PyTorch dense step of the same model (no Lightning,
+    no sparsity: torch.profiler over 3 steps), against the Lightning cpu step at 90%."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightning_sparse.models.llama import Llama
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig(**cfg))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    seq = cfg["max_seq_len"]
+    batch = torch.randint(0, cfg["vocab_size"], (max(tokens // seq, 1), seq + 1))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        logits = model(batch[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizer.step()
+
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(3):
+        step()
+    plain_ms = (time.perf_counter() - start) / 3 * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            step()
+    parts = dict.fromkeys(
+        [*_CATEGORIES, "elementwise (norms, RoPE, SwiGLU, residuals) + rest"], 0.0
+    )
+    total = 0.0
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        ms = event.self_cpu_time_total / 1e3 / 3
+        total += ms
+        part = next(
+            (c for c, keys in _CATEGORIES.items() if any(k in event.key for k in keys)), None
+        )
+        parts[part or "elementwise (norms, RoPE, SwiGLU, residuals) + rest"] += ms
+    shares = ", ".join(f"{name} {ms / total:.0%}" for name, ms in parts.items())
+    return (
+        f"plain dense step (no Lightning, no sparsity) {plain_ms:.1f} ms; Lightning + RigL + "
+        f"masking around it: {cpu_ms - plain_ms:.1f} ms of the cpu step; aten self time by part: "
+        f"{shares}"
+    )
+
+
+def _gathers(csr: Any, weight: torch.Tensor) -> None:
+    """The device's per-step value gathers of one layer (forward: CSR order; backward: W^T)."""
+    csr.gather_values(weight)
+    csr.gather_values_t(weight)
+
+
+def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) -> None:
+    """Amdahl's law for the step at 90%: the 28 masked Linear layers timed alone (fwd+bwd at the
+    step's token count, 15 interleaved repeats, minimums), dense as the cpu accelerator runs them
+    (plain ``F.linear``: its algorithm keeps pruned weights at 0) against what the device runs
+    (the path "auto" picks with ``zeros_kept``), plus the device's per-step value gathers; the
+    rest of the step (attention, norms, SwiGLU, embeddings, head, loss, optimizer, Lightning) is
+    the cpu step minus its layers."""
+    from bench_sparse_linear import _interleaved_medians, _step_fn
+
+    from lightning_sparse.wse import CSRWeight, resolve_path
+
+    cfg_full = LlamaConfig(**cfg)
+    dim, hidden = cfg_full.dim, cfg_full.ffn_hidden
+    shapes = {
+        (dim, dim): 4,
+        (hidden, dim): 2,
+        (dim, hidden): 1,
+    }  # per block: q k v o, gate up, down
+    generator = torch.Generator().manual_seed(0)
+    dense_total = sparse_total = gather_total = 0.0
+    print(f"\nbreakdown at {GOAL_SPARSITY:.0%}, {tokens} tokens, per layer fwd+bwd (ms):")
+    for (out_features, in_features), count in shapes.items():
+        count *= cfg["n_layers"]
+        x = torch.randn(tokens, in_features, generator=generator).requires_grad_()
+        weight = torch.randn(out_features, in_features, generator=generator).requires_grad_()
+        bias = None
+        grad_y = torch.randn(tokens, out_features, generator=generator)
+        mask = torch.rand(out_features, in_features, generator=generator) >= GOAL_SPARSITY
+        csr = CSRWeight.from_dense(weight, mask)
+        path = resolve_path(x, weight, csr, "auto", zeros_kept=True)
+        fns = {
+            "dense": _step_fn(None, x, weight, bias, csr, grad_y),
+            "device": _step_fn(None if path == "dense" else path, x, weight, bias, csr, grad_y),
+            "gathers": functools.partial(_gathers, csr, weight.detach()),
+        }
+        # Minimums: each layer's intrinsic cost, the least disturbed by other processes.
+        medians = _interleaved_medians(fns, 15, time.perf_counter, min)
+        dense_total += count * medians["dense"] * 1e3
+        sparse_total += count * medians["device"] * 1e3
+        if path == "dense":  # plain F.linear gathers nothing
+            medians["gathers"] = 0.0
+        gather_total += count * medians["gathers"] * 1e3
+        print(
+            f"  {out_features}x{in_features} x{count}: dense {1e3 * medians['dense']:.2f}, "
+            f"device ({path}) {1e3 * medians['device']:.2f}, of which value gathers "
+            f"{1e3 * medians['gathers']:.3f}"
+        )
+    rest = cpu_ms - dense_total
+    print(rest_by_operator(cfg, tokens, cpu_ms))
+    if rest <= 0:
+        print(f"cpu step {cpu_ms:.1f} ms <= its layers alone {dense_total:.1f} ms: too noisy")
+        return
+    print(
+        f"per step: masked layers dense {dense_total:.1f} ms, on the device {sparse_total:.1f} ms "
+        f"(value gathers {gather_total:.1f} ms); cpu step {cpu_ms:.1f} ms = layers "
+        f"{dense_total:.1f} + rest {rest:.1f}; predicted wse step rest + device layers = "
+        f"{rest + sparse_total:.1f} ms (measured {wse_ms:.1f}); predicted speedup "
+        f"{cpu_ms / (rest + sparse_total):.2f}x; bound with free sparse layers "
+        f"{cpu_ms / rest:.2f}x"
+    )
 
 
 if __name__ == "__main__":

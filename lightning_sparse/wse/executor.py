@@ -16,6 +16,10 @@ no algorithm, no forward hook.
   whose content is unchanged (DDP's buffer broadcast, reloading the same masks) costs one
   comparison, not a rebuild. A mask that appears later (an algorithm applied after installation,
   `register_masks` for inference) is picked up by the next forward.
+- a mask, and the dense path chosen for a layer whose live algorithm keeps pruned weights and
+  gradients at exactly 0 (`_LayerState.zeros_kept`): plain ``F.linear(x, weight, bias)``, no
+  masked copies ("auto" times that as its dense candidate); the algorithm's gradient hook zeroes
+  the weight gradient at pruned positions before any optimizer sees it.
 - a mask, and an algorithm owning this weight has ``dense_grad_needed`` set (the backward of a
   RigL/GraNet update step): forward and input gradient stay sparse, and the weight gradient is the
   full dense ``grad_Y^T X`` (the gradient `nn.Linear` gives), for the algorithm to score growth.
@@ -31,6 +35,7 @@ for it.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 import weakref
@@ -57,6 +62,9 @@ from lightning_sparse.wse.stats import LayerMemory, WSEStats
 __all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
 
 _MASK = "weight_mask"
+INFERENCE_DTYPE_ENV = "LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE"
+"""Environment variable: the `WSEExecutor` ``inference_dtype`` default ("float32", "bfloat16")."""
+_INFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _CSR_DTYPES = (torch.float32, torch.float64)
 # Per-layer state lives beside the module, not in it, so deepcopy/pickle of a model never drags
 # the executor along (a copy runs as a plain nn.Linear) and removal leaves no attribute behind.
@@ -87,19 +95,37 @@ class WSEExecutor:
         stats: where FLOPs, memory and rebuilds are recorded.
         path: `sparse_linear` path ("auto", "compiled", "torch", "dense"); None follows the
             ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
+        inference_dtype: storage of the kept values in inference (no autograd) of float32
+            layers: "float32" (exact masked dense numbers) or "bfloat16" (opt-in: half the value
+            bytes for memory-bound decode, values rounded to bf16, products summed in fp32;
+            training never changes). None follows ``LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE``
+            (default "float32").
     """
 
-    def __init__(self, root: nn.Module, stats: WSEStats, path: str | None) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        stats: WSEStats,
+        path: str | None,
+        inference_dtype: str | None = None,
+    ) -> None:
         if path is not None and path != "auto" and path not in PATHS:
             raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
+        source = "inference_dtype"
+        if inference_dtype is None:
+            source = INFERENCE_DTYPE_ENV
+            inference_dtype = os.environ.get(INFERENCE_DTYPE_ENV, "float32")
+        if inference_dtype not in _INFERENCE_DTYPES:
+            raise ValueError(
+                f"{source} must be one of {tuple(_INFERENCE_DTYPES)}, got {inference_dtype!r}"
+            )
+        self.inference_dtype = _INFERENCE_DTYPES[inference_dtype]
         self._root = weakref.ref(root)
         self.stats = stats
         self.path = path
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Masked Conv2d / HF Conv1D modules running dense: their stats hooks, by module.
-        self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -173,6 +199,10 @@ class _LayerState:
         self.mask: Tensor | None = None  # the tensor the cache was built from
         self.version = -1
         self.owners: list[weakref.ref[SparsityAlgorithm]] = []
+        # (algorithm, sparse-parameter name) of each owner of this weight, and the training path
+        # per token count where an owner keeps pruned entries at 0 (`zeros_kept`).
+        self.owned_as: list[tuple[weakref.ref[SparsityAlgorithm], str]] = []
+        self.train_paths: dict[int, str] = {}
         # Inference: the kept values, gathered once per weight version, and a runner per token
         # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
         self.values: Tensor | None = None
@@ -221,6 +251,20 @@ class _LayerState:
             and any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
         )
         path = self.executor.path
+        if weight.requires_grad and self.zeros_kept(module, mask):
+            # The algorithm keeps pruned weights and gradients at exactly 0, so "dense" is plain
+            # F.linear: same values as the masked copy, no masking passes (its gradient hook
+            # zeroes the weight gradient at pruned positions before any optimizer sees it).
+            tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
+            chosen = self.train_paths.get(tokens)
+            if chosen is None:
+                chosen = resolve_path(x, weight, csr, path, requires_grad=True, zeros_kept=True)
+                self.train_paths[tokens] = chosen
+            if chosen == "dense":
+                y = F.linear(x, weight, bias)
+                self._record(x, y, weight, weight.numel(), dense_grad)
+                return y
+            path = chosen
         if dense_grad:
             y = sparse_linear(x, weight.detach(), csr, bias, path=path)
             y = _DenseWeightGrad.apply(y, x, weight)
@@ -228,6 +272,28 @@ class _LayerState:
             y = sparse_linear(x, weight, csr, bias, path=path)
         self._record(x, y, weight, csr.nnz, dense_grad)
         return y
+
+    def zeros_kept(self, module: WSELinear, mask: Tensor) -> bool:
+        """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
+        it owns the weight under this very mask and its per-step gradient hook is on this very
+        parameter (`core.per_step.StepHooks`). Masks registered without an algorithm
+        (`restore_masks`, a copied model) do not qualify: those layers keep masking."""
+        weight = module.weight
+        for ref, name in self.owned_as:
+            algorithm = ref()
+            if algorithm is None:
+                continue
+            sp = algorithm.sparse_params.get(name)
+            hooks = getattr(algorithm, "hooks", None)
+            if (
+                sp is not None
+                and sp.mask is mask
+                and hooks is not None
+                and hooks._hooked.get(name) is weight
+                and name in hooks._handles
+            ):
+                return True
+        return False
 
     def _infer(
         self, x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None, csr: CSRWeight
@@ -244,11 +310,11 @@ class _LayerState:
 
         if weight.is_inference():  # no version counter to key a cache on
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
-            values = csr.gather_values(weight.detach())
+            values = self._stored(csr.gather_values(weight.detach()))
             return inference_runner(path, values, csr, weight, mask, bias)(x)
         key = self.values_key
         if key is None or key[0] is not csr or key[1] != weight._version or key[2] is not bias:
-            self.values = csr.gather_values(weight.detach())
+            self.values = self._stored(csr.gather_values(weight.detach()))
             self.values_key = (csr, weight._version, bias)
             self.runners = {}
             self.fast = None
@@ -262,6 +328,13 @@ class _LayerState:
             runner = inference_runner(path, self.values, csr, weight, mask, bias)
             self.runners[tokens] = runner
         return runner(x)
+
+    def _stored(self, values: Tensor) -> Tensor:
+        """The kept values as inference holds them (`WSEExecutor` ``inference_dtype``)."""
+        wanted = self.executor.inference_dtype
+        if wanted == torch.bfloat16 and values.dtype == torch.float32:
+            return values.to(torch.bfloat16)
+        return values
 
     def structure(self, module: WSELinear, mask: Tensor, transpose: bool = True) -> CSRWeight:
         """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed (or when
@@ -284,15 +357,28 @@ class _LayerState:
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
             # structure object, so the caches keyed on it stay valid.
             self.mask, self.version = mask, version
+            self._find_owners(module)
             return csr
         csr = built
         self.csr, self.mask, self.version = csr, mask, version
-        self.owners = [weakref.ref(a) for a in self.executor.owners_of(module)]
+        self._find_owners(module)
+        self.train_paths = {}
         out_features, in_features = csr.shape
         memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
         self.executor.stats.add_rebuild(self.name, seconds, memory)
         self.executor.check_fallbacks()
         return csr
+
+    def _find_owners(self, module: WSELinear) -> None:
+        """The algorithms owning this weight, read at each (re)build of the structure."""
+        owners = self.executor.owners_of(module)
+        self.owners = [weakref.ref(a) for a in owners]
+        self.owned_as = [
+            (weakref.ref(a), name)
+            for a in owners
+            for name, sp in a.sparse_params.items()
+            if sp.module is module and sp.param_name == "weight"
+        ]
 
     def _record(self, x: Tensor, y: Tensor, weight: Tensor, nnz: int, dense_grad: bool) -> None:
         out_features, in_features = weight.shape
@@ -431,7 +517,11 @@ class _DenseWeightGrad(torch.autograd.Function):
 
 
 def install_executor(
-    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+    model: nn.Module,
+    *,
+    stats: WSEStats | None = None,
+    path: str | None = None,
+    inference_dtype: str | None = None,
 ) -> WSEExecutor:
     """Run ``model``'s masked `nn.Linear` layers in CSR from now on (see the module docstring).
 
@@ -440,14 +530,16 @@ def install_executor(
             becomes a `WSELinear`. Layers another executor ran are taken over.
         stats: where to record FLOPs, memory and rebuilds (default: a new `WSEStats`).
         path: `sparse_linear` path, see `WSEExecutor`.
+        inference_dtype: "float32" or "bfloat16" storage of kept values in inference, see
+            `WSEExecutor`.
 
     Returns:
         The executor; ``executor.remove()`` undoes the installation.
 
     Raises:
-        ValueError: on an unknown ``path``.
+        ValueError: on an unknown ``path`` or ``inference_dtype``.
     """
-    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path)
+    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path, inference_dtype)
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear
@@ -460,7 +552,11 @@ def install_executor(
 
 @contextmanager
 def on_wse(
-    model: nn.Module, *, stats: WSEStats | None = None, path: str | None = None
+    model: nn.Module,
+    *,
+    stats: WSEStats | None = None,
+    path: str | None = None,
+    inference_dtype: str | None = None,
 ) -> Iterator[WSEExecutor]:
     """``with on_wse(model) as executor:`` runs ``model`` on the device inside the block.
 
@@ -471,7 +567,7 @@ def on_wse(
         with on_wse(lit):
             tokens = lit.model.generate(prompt, max_new_tokens=32, temperature=0)
     """
-    executor = install_executor(model, stats=stats, path=path)
+    executor = install_executor(model, stats=stats, path=path, inference_dtype=inference_dtype)
     try:
         yield executor
     finally:

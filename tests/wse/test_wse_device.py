@@ -50,8 +50,6 @@ STEPS = 10
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
 
 
-
-
 class TinyLlamaLM(pl.LightningModule):
     """Next-token loss of a two-block float64 Llama on 16 token ids."""
 
@@ -585,3 +583,112 @@ def test_inference_input_on_another_device_is_a_clear_error() -> None:
             layer(torch.ones(2, 8)),
             F.linear(torch.ones(2, 8), layer.weight * layer.weight_mask, layer.bias),
         )
+
+
+# ------------------------------------------------------------------ the dense fallback
+def _masked_weight_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the dense path's masking (`kernels._MaskedWeight`) calls."""
+    from lightning_sparse.wse import kernels
+
+    calls: list[int] = []
+    original = kernels._MaskedWeight.apply
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(kernels._MaskedWeight, "apply", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["static", "rigl"])
+def test_dense_path_under_an_algorithm_is_plain_linear_and_trains_identically(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where "dense" runs a layer whose algorithm keeps pruned weights and gradients at 0, the
+    executor calls plain F.linear (no masking pass); the optimizer sees the same gradients
+    (exact zeros at pruned positions, RigL's dense gradient on its update step) and the weights
+    stay bit-identical to masked dense training on the CPU."""
+    calls = _masked_weight_calls(monkeypatch)
+    runs = []
+    for on_device in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 6)).double()
+        sparsity = (
+            Static(0.7) if kind == "static" else RigL(0.7, update={"freq": 2}, drop_fraction=0.5)
+        )
+        model.apply(sparsity)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sparsity.apply(optimizer)
+        executor = install_executor(model, path="dense") if on_device else None
+        grads = []
+        for step in range(4):
+            x = torch.randn(
+                5, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(step)
+            )
+            optimizer.zero_grad()
+            model(x).square().mean().backward()
+            grads.append([m.weight.grad.clone() for m in (model[0], model[2])])
+            optimizer.step()
+        runs.append((grads, [p.detach().clone() for p in model.parameters()]))
+        if executor is not None:
+            executor.remove()
+    assert calls == []  # never masked: the algorithm's hooks keep the zeros
+    (cpu_grads, cpu_params), (wse_grads, wse_params) = runs
+    for cpu_step, wse_step in zip(cpu_grads, wse_grads, strict=True):
+        for cpu_grad, wse_grad in zip(cpu_step, wse_step, strict=True):
+            assert torch.equal(cpu_grad, wse_grad)
+    for cpu_param, wse_param in zip(cpu_params, wse_params, strict=True):
+        assert torch.equal(cpu_param, wse_param)
+    for layer in (model[0], model[2]):
+        assert torch.equal(
+            layer.weight[~layer.weight_mask], torch.zeros_like(layer.weight[~layer.weight_mask])
+        )
+
+
+def test_dense_path_without_an_algorithm_still_masks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Masks registered without an algorithm (`restore_masks`): nothing keeps the pruned
+    weights at 0, so the dense path masks weight and gradient itself."""
+    calls = _masked_weight_calls(monkeypatch)
+    torch.manual_seed(0)
+    layer = nn.Linear(8, 5).double()
+    mask = torch.rand(5, 8) > 0.6
+    layer.register_buffer("weight_mask", mask)  # pruned weights left nonzero on purpose
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with on_wse(layer, path="dense"):
+        y = layer(x)
+        y.sum().backward()
+    assert calls == [1]
+    torch.testing.assert_close(y, F.linear(x, layer.weight * mask, layer.bias), rtol=0, atol=0)
+    assert torch.equal(
+        layer.weight.grad[~mask], torch.zeros(int((~mask).sum()), dtype=torch.float64)
+    )
+
+
+def test_bf16_inference_storage_is_opt_in_and_training_stays_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    layer.apply(Static(0.8, param_filter="weight"))
+    x = torch.randn(1, 64)
+    exact = F.linear(x, layer.weight * layer.weight_mask, layer.bias)
+    rounded = F.linear(
+        x.double(),
+        layer.weight.to(torch.bfloat16).double() * layer.weight_mask,
+        layer.bias.double(),
+    ).float()
+    with on_wse(layer, path=PATH, inference_dtype="bfloat16"):
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x), rounded, atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(layer(x), exact, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(layer(x), exact)  # training: fp32, unchanged
+    monkeypatch.setenv("LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE", "bfloat16")
+    with on_wse(layer, path=PATH), torch.no_grad():
+        torch.testing.assert_close(layer(x), rounded, atol=1e-5, rtol=1e-5)
+    monkeypatch.delenv("LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE")
+    with on_wse(layer, path=PATH), torch.no_grad():  # default: fp32
+        torch.testing.assert_close(layer(x), exact)
+    with pytest.raises(ValueError, match="inference_dtype must be one of .*'float16'"):
+        install_executor(layer, inference_dtype="float16")
+    assert type(layer) is nn.Linear  # nothing installed by the failed call

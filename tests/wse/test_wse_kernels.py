@@ -325,7 +325,7 @@ def _fake_timings(
         run.path = path  # type: ignore[attr-defined]
         return run
 
-    def time_runner(run: object, x: torch.Tensor) -> float:
+    def time_runner(run: object, x: torch.Tensor, calls: int = 1) -> float:
         timed.append((run.path, False))  # type: ignore[attr-defined]
         return seconds[run.path]  # type: ignore[attr-defined]
 
@@ -408,3 +408,75 @@ def test_forward_only_structure_holds_half_the_indices_and_refuses_the_transpose
         forward.gather_values_t(weight)
     with pytest.raises(ValueError, match="forward-only"):
         sparse_linear(x.requires_grad_(), weight, forward).sum().backward()
+
+
+# --- One token (the decode kernel) and bf16 storage -------------------------------------------
+ONE_TOKEN_CASES = {
+    # shape, sparsity, rows pruned entirely, columns kept in every row (index edge cases)
+    "tiny": ((7, 5), 0.5, [2], []),
+    "empty_rows": ((64, 1024), 0.9, [0, 31, 63], [1023]),
+    "threads_split_rows": ((2752, 1024), 0.9, [5, 2751], [0]),  # over the parallel threshold
+    "u16_max_column": ((12, 65536), 0.999, [4], [65535]),  # 16-bit indices up to 65535
+    "int32_columns": ((9, 70001), 0.999, [], [65536, 70000]),  # wider: int32 indices
+    "all_pruned": ((16, 16), 1.0, [], []),
+}
+
+
+def _one_token_case(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    (out_features, in_features), sparsity, rows, cols = ONE_TOKEN_CASES[case]
+    generator = torch.Generator().manual_seed(len(case))
+    weight = torch.randn(out_features, in_features, generator=generator)
+    bias = torch.randn(out_features, generator=generator)
+    mask = _mask((out_features, in_features), sparsity, seed=4)
+    mask[:, cols] = True
+    mask[rows, :] = False
+    x = torch.randn(1, in_features, generator=generator)
+    return weight, mask, bias, x
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("case", list(ONE_TOKEN_CASES))
+def test_one_token_runner_matches_masked_dense(path: str, case: str, threads: int) -> None:
+    weight, mask, bias, x = _one_token_case(case)
+    csr = CSRWeight.from_dense(weight, mask, transpose=False)
+    runner = kernels.inference_runner(path, csr.gather_values(weight), csr, weight, mask, bias)
+    reference = F.linear(x.double(), weight.double() * mask, bias.double()).float()
+    torch.testing.assert_close(runner(x), reference, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(runner(x[0]), reference[0], atol=1e-4, rtol=1e-4)  # 1-D input
+    if case in ("all_pruned", "empty_rows"):
+        rows = ~mask.any(1)
+        assert torch.equal(runner(x)[:, rows], bias[rows].expand(1, -1))
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+@pytest.mark.parametrize("case", ["empty_rows", "int32_columns"])
+def test_bf16_storage_computes_with_rounded_values_on_every_path(path: str, case: str) -> None:
+    """bf16 values (opt-in `inference_dtype`): every path and token count computes in fp32 with
+    the bf16-rounded kept values, so the result matches that reference, not the fp32 one."""
+    weight, mask, bias, x = _one_token_case(case)
+    csr = CSRWeight.from_dense(weight, mask, transpose=False)
+    values = csr.gather_values(weight).to(torch.bfloat16)
+    runner = kernels.inference_runner(path, values, csr, weight, mask, bias)
+    rounded = weight.to(torch.bfloat16).double() * mask
+    for tokens in (x, torch.cat([x, -x, 2 * x])):
+        reference = F.linear(tokens.double(), rounded, bias.double()).float()
+        torch.testing.assert_close(runner(tokens), reference, atol=1e-4, rtol=1e-4)
+    exact = F.linear(x, weight * mask, bias)
+    assert not torch.allclose(runner(x), exact, atol=1e-4, rtol=1e-4)  # it did round
+
+
+@pytest.mark.parametrize("requires_grad", [True, False], ids=["train", "infer"])
+def test_training_needs_the_wider_margin(
+    monkeypatch: pytest.MonkeyPatch, requires_grad: bool
+) -> None:
+    """A sparse path 12% faster than dense alone: enough for inference (`AUTOTUNE_MARGIN`), not
+    for a training call (`AUTOTUNE_MARGIN_TRAINING`: costs inside a step its timing misses)."""
+    assert kernels.AUTOTUNE_MARGIN < 0.12 < kernels.AUTOTUNE_MARGIN_TRAINING
+    clear_autotune_cache()
+    _fake_timings(monkeypatch, {"compiled": 0.88, "torch": 0.89, "dense": 1.0})
+    weight = torch.randn(16, 12)
+    csr = CSRWeight.from_dense(weight, _mask((16, 12), 0.5, seed=3))
+    chosen = kernels.resolve_path(torch.randn(4, 12), weight, csr, "auto", requires_grad)
+    sparse = "compiled" if kernels.compiled_available() else "torch"
+    assert chosen == ("dense" if requires_grad else sparse)
+    clear_autotune_cache()

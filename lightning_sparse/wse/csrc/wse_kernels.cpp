@@ -13,6 +13,13 @@
 
 #include <omp.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define LS_SPMV_AVX512 1
+#else
+#define LS_SPMV_AVX512 0
+#endif
+
 // GCC/Clang vector extensions: one register = 64 bytes with AVX-512, else 32 (AVX2/NEON pairs).
 #if defined(__AVX512F__)
 #define LS_VECTOR_BYTES 64
@@ -512,6 +519,103 @@ int csr_fill(const uint8_t* mask, int64_t M, int64_t K, const int32_t* crow, int
   return 0;
 }
 
+// --- One token: y [M] = S x (+ bias), S [M, K] in CSR, memory-bound (GEMV) ----------------------
+// The inference layout for batch-1 decode: column indices as uint16 when K <= 65536 (int32
+// otherwise), values fp32 or bf16 (uint16 bit patterns, widened to fp32 exactly; accumulation in
+// fp32). x [K] stays in L1/L2, so each kept weight costs its index and value bytes read from
+// memory plus one lane of a hardware gather: 6 bytes (fp32) or 4 bytes (bf16) per kept weight
+// against 4 per weight for a dense fp32 GEMV.
+template <typename V> inline float widen(V v);
+template <> inline float widen<float>(float v) { return v; }
+template <> inline float widen<uint16_t>(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+#if LS_SPMV_AVX512
+template <typename I> inline __m512i load_index16(const I* p, __mmask16 m);
+template <> inline __m512i load_index16<uint16_t>(const uint16_t* p, __mmask16 m) {
+  return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+}
+template <> inline __m512i load_index16<int32_t>(const int32_t* p, __mmask16 m) {
+  return _mm512_maskz_loadu_epi32(m, p);
+}
+template <typename V> inline __m512 load_value16(const V* p, __mmask16 m);
+template <> inline __m512 load_value16<float>(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+template <> inline __m512 load_value16<uint16_t>(const uint16_t* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
+template <typename I, typename V>
+void spmv_rows(const int32_t* crow, const I* col, const V* val, const float* x, const float* bias,
+               int64_t i0, int64_t i1, float* y) {
+  for (int64_t i = i0; i < i1; ++i) {
+    int32_t k = crow[i];
+    const int32_t end = crow[i + 1];
+#if LS_SPMV_AVX512
+    // Two gathers in flight; full vectors unmasked, the row's tail under a lane mask.
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    for (; k + 32 <= end; k += 32) {
+      const __m512i c0 = load_index16<I>(col + k, 0xFFFF);
+      const __m512i c1 = load_index16<I>(col + k + 16, 0xFFFF);
+      a0 = _mm512_fmadd_ps(load_value16<V>(val + k, 0xFFFF), _mm512_i32gather_ps(c0, x, 4), a0);
+      a1 = _mm512_fmadd_ps(load_value16<V>(val + k + 16, 0xFFFF),
+                           _mm512_i32gather_ps(c1, x, 4), a1);
+    }
+    for (; k < end; k += 16) {
+      const int left = end - k;
+      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const __m512i c = load_index16<I>(col + k, m);
+      const __m512 xv = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, c, x, 4);
+      a0 = _mm512_fmadd_ps(load_value16<V>(val + k, m), xv, a0);
+    }
+    float sum = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+#else
+    float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+    for (; k + 4 <= end; k += 4) {
+      s0 += widen<V>(val[k]) * x[col[k]];
+      s1 += widen<V>(val[k + 1]) * x[col[k + 1]];
+      s2 += widen<V>(val[k + 2]) * x[col[k + 2]];
+      s3 += widen<V>(val[k + 3]) * x[col[k + 3]];
+    }
+    for (; k < end; ++k) s0 += widen<V>(val[k]) * x[col[k]];
+    float sum = (s0 + s1) + (s2 + s3);
+#endif
+    y[i] = sum + (bias != nullptr ? bias[i] : 0.0f);
+  }
+}
+
+// Rows split into one contiguous range per thread with equal shares of the kept weights (each
+// row is summed by one thread in a fixed order: the result does not depend on the thread count
+// beyond which rows a thread takes).
+constexpr int64_t kParallelSpmvMin = int64_t{1} << 16;  // kept weights (~20 us of one thread)
+template <typename I, typename V>
+void spmv(const int32_t* crow, const I* col, const V* val, const float* x, const float* bias,
+          int64_t M, float* y, int threads) {
+  const int64_t nnz = crow[M];
+  threads = nnz < kParallelSpmvMin ? 1 : std::max(threads, 1);
+  if (threads == 1) {
+    spmv_rows<I, V>(crow, col, val, x, bias, 0, M, y);
+    return;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    const int team = omp_get_num_threads(), me = omp_get_thread_num();
+    const auto row_at = [&](int t) {
+      if (t == team) return M;
+      const int64_t target = nnz * t / team;
+      return static_cast<int64_t>(std::lower_bound(crow, crow + M, target) - crow);
+    };
+    spmv_rows<I, V>(crow, col, val, x, bias, row_at(me), row_at(me + 1), y);
+  }
+}
+
 }  // namespace
 
 // --- Kept values of a dense W [M, K] in CSR order (rows) or in transposed-CSR order (columns) ---
@@ -572,5 +676,21 @@ int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const 
 int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
                  int64_t N, int64_t K, int64_t M, double* D, int threads) {
   return sddmm<double>(crow, col, G, X, N, K, M, D, threads);
+}
+void ls_spmv_f32_u16(const int32_t* crow, const uint16_t* col, const float* val, const float* x,
+                     const float* bias, int64_t M, float* y, int threads) {
+  spmv<uint16_t, float>(crow, col, val, x, bias, M, y, threads);
+}
+void ls_spmv_f32_i32(const int32_t* crow, const int32_t* col, const float* val, const float* x,
+                     const float* bias, int64_t M, float* y, int threads) {
+  spmv<int32_t, float>(crow, col, val, x, bias, M, y, threads);
+}
+void ls_spmv_bf16_u16(const int32_t* crow, const uint16_t* col, const uint16_t* val,
+                      const float* x, const float* bias, int64_t M, float* y, int threads) {
+  spmv<uint16_t, uint16_t>(crow, col, val, x, bias, M, y, threads);
+}
+void ls_spmv_bf16_i32(const int32_t* crow, const int32_t* col, const uint16_t* val,
+                      const float* x, const float* bias, int64_t M, float* y, int threads) {
+  spmv<int32_t, uint16_t>(crow, col, val, x, bias, M, y, threads);
 }
 }

@@ -148,9 +148,13 @@ class CSRWeight:
         if _native_gather_ok(weight):
             from lightning_sparse.wse import kernels  # deferred: kernels.py builds on this module
 
-            weight = weight.contiguous()
             out = weight.new_empty(self.nnz)
-            kernels.native_gather(pointers, indices, weight, transposed, out)
+            if not weight.is_contiguous() and weight.t().is_contiguous():
+                # W = V^T of a contiguous V (an HF Conv1D's [in, out] weight): W's CSR order is
+                # V's transposed-CSR order and vice versa, so gather from V without a copy.
+                kernels.native_gather(pointers, indices, weight.t(), not transposed, out)
+                return out
+            kernels.native_gather(pointers, indices, weight.contiguous(), transposed, out)
             return out
         return weight.reshape(-1).index_select(0, self.flat_indices(transposed))
 

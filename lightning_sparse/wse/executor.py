@@ -7,6 +7,15 @@ the optimizer's references and the algorithms' `SparseParameter` references all 
 objects; `WSEExecutor.remove` swaps the class back. Nothing else is patched: no optimizer method,
 no algorithm, no forward hook.
 
+Hugging Face's GPT-2 ``Conv1D`` (weight ``[in, out]``, ``y = x @ W + b = F.linear(x, W.t(), b)``,
+`core.layouts.is_hf_conv1d`) gets the same treatment: its class becomes a subclass also named
+``Conv1D`` (same module name, so `is_hf_conv1d` and ``repr`` are unchanged; a copy or pickle of it
+is a plain ``Conv1D``) whose ``forward`` runs the CSR kernels on the ``[out, in]`` views
+``W.t()`` and ``mask.t()``. The caches stay keyed on the real parameter and mask buffer (a
+``.t()`` view is a new object each call; it shares their ``_version``), the CSR of the transposed
+mask is built once per mask change, and autograd hands the weight gradient back ``[in, out]``,
+zero at pruned positions, as masked dense training does.
+
 `WSELinear.forward` reads the mask where the algorithms keep it, the ``weight_mask`` buffer:
 
 - no mask: ``F.linear(x, weight, bias)``, the very call `nn.Linear.forward` makes (bit-identical).
@@ -24,17 +33,17 @@ no algorithm, no forward hook.
   RigL/GraNet update step): forward and input gradient stay sparse, and the weight gradient is the
   full dense ``grad_Y^T X`` (the gradient `nn.Linear` gives), for the algorithm to score growth.
 
-Masked modules the device cannot run in CSR (an `nn.Embedding`, a `Conv2d`, Hugging Face's
-GPT-2 ``Conv1D``, an `nn.Linear` subclass with its own forward, inputs under autocast or in a
-dtype other than float32/float64) run their usual dense forward on weights that are zero at
-pruned positions, which is exactly masked dense training; each such module warns once. A masked
-``Conv2d`` or ``Conv1D`` has its matmuls recorded in the statistics as dense (executed = dense
-equivalent, by a forward hook the executor removes with itself), so no FLOP saving is claimed
-for it.
+Masked modules the device cannot run in CSR (an `nn.Embedding`, a `Conv2d`, an `nn.Linear`
+subclass with its own forward, inputs under autocast or in a dtype other than float32/float64)
+run their usual dense forward on weights that are zero at pruned positions, which is exactly
+masked dense training; each such module warns once. A masked ``Conv2d`` has its matmuls recorded
+in the statistics as dense (executed = dense equivalent, by a forward hook the executor removes
+with itself), so no FLOP saving is claimed for it.
 """
 
 from __future__ import annotations
 
+import copyreg
 import os
 import time
 import warnings
@@ -76,15 +85,50 @@ class WSELinear(nn.Linear):
     """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly."""
 
     def forward(self, input: Tensor) -> Tensor:
-        state = _STATE.get(self)
-        if state is None:
-            return F.linear(input, self.weight, self.bias)
-        fast = state.fast
-        if fast is not None and not torch.is_grad_enabled():
-            y = fast(self, input)
-            if y is not None:
-                return y
-        return state.run(self, input)
+        y = _execute(self, input)
+        return F.linear(input, self.weight, self.bias) if y is None else y
+
+
+def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
+    """``module``'s output ``[..., out]`` on the device, or None where no executor runs it."""
+    state = _STATE.get(module)
+    if state is None:
+        return None
+    fast = state.fast
+    if fast is not None and not torch.is_grad_enabled():
+        y = fast(module, x)
+        if y is not None:
+            return y
+    return state.run(module, x)
+
+
+# Hugging Face Conv1D class -> its device subclass.
+_WSE_CONV1D: dict[type, type] = {}
+
+
+def _wse_conv1d_class(base: type) -> type:
+    """The device subclass of an HF ``Conv1D`` class (made once): same name and module, its
+    ``forward`` runs `_execute`; pickled and copied as ``base``, so copies carry no executor."""
+    cls = _WSE_CONV1D.get(base)
+    if cls is None:
+
+        def forward(self: nn.Module, input: Tensor) -> Tensor:
+            y = _execute(self, input)
+            return base.forward(self, input) if y is None else y
+
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            rv = super(cls, self).__reduce_ex__(protocol)  # (rebuild, (cls, ...), state, ...)
+            return (copyreg._reconstructor, (base, object, None), *rv[2:])
+
+        namespace = {"forward": forward, "__reduce_ex__": __reduce_ex__}
+        namespace.update(__module__=base.__module__, __qualname__=base.__qualname__)
+        cls = _WSE_CONV1D[base] = type(base.__name__, (base,), namespace)
+    return cls
+
+
+def _on_device(module: nn.Module) -> bool:
+    """Whether ``module``'s class is one the executor runs (`WSELinear`, a device Conv1D)."""
+    return type(module) is WSELinear or type(module) in _WSE_CONV1D.values()
 
 
 class WSEExecutor:
@@ -124,21 +168,22 @@ class WSEExecutor:
         self.stats = stats
         self.path = path
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        # Masked Conv2d / HF Conv1D modules running dense: their stats hooks, by module.
+        # Masked Conv2d modules running dense: their stats hooks, by module.
         self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
     @property
     def layers(self) -> list[nn.Module]:
-        """The `WSELinear` modules this executor runs."""
+        """The `WSELinear` and Conv1D modules this executor runs."""
         return [m for m in self._layers if _owner(m) is self]
 
     def remove(self) -> None:
-        """Give every layer back its `nn.Linear` class and drop the cached CSR structures."""
+        """Give every layer back its `nn.Linear` / ``Conv1D`` class and drop the cached CSR
+        structures."""
         for module in list(self._layers):
             if _owner(module) is self:
                 del _STATE[module]
-                if type(module) is WSELinear:
-                    module.__class__ = nn.Linear
+                if _on_device(module):
+                    module.__class__ = type(module).__base__
         self._layers = weakref.WeakSet()
         for handle in list(self._dense_hooks.values()):
             handle.remove()
@@ -160,12 +205,13 @@ class WSEExecutor:
         return found
 
     def check_fallbacks(self) -> None:
-        """Warn once per masked module that runs dense because it is not an `nn.Linear`."""
+        """Warn once per masked module that runs dense because it is not an `nn.Linear` or an
+        HF ``Conv1D``."""
         root = self._root()
         if root is None:
             return
         for name, module in root.named_modules():
-            if isinstance(module, WSELinear) and _owner(module) is self:
+            if _on_device(module) and _owner(module) is self:
                 masks = [k for k in module._buffers if k.endswith("_mask") and k != _MASK]
                 masks = [k for k in masks if k[: -len("_mask")] != "bias"]
             else:
@@ -173,15 +219,15 @@ class WSEExecutor:
                 masks = [k for k in module._buffers if k.endswith("_mask") and k[:-5] in params]
             if not masks:
                 continue
-            counted = isinstance(module, nn.Conv2d) or is_hf_conv1d(module)
+            counted = isinstance(module, nn.Conv2d)
             if counted and module not in self._dense_hooks:
                 self._dense_hooks[module] = module.register_forward_hook(_DenseCounter(self))
             _warn_once(
                 module,
                 f"lightning_sparse.wse: {name or type(module).__name__!r} "
                 f"({type(module).__name__}) has masks {masks} but the WSE runs only "
-                "nn.Linear weights in CSR; it runs dense on its pruned weights (same numbers "
-                "as masked dense training, dense FLOPs"
+                "nn.Linear and Conv1D weights in CSR; it runs dense on its pruned weights (same "
+                "numbers as masked dense training, dense FLOPs"
                 + (": its FLOP statistics count it as dense, no saving)." if counted else ")."),
             )
 
@@ -190,11 +236,16 @@ class WSEExecutor:
 
 
 class _LayerState:
-    """Cached CSR structure of one layer and the key it was built for."""
+    """Cached CSR structure of one layer and the key it was built for.
 
-    def __init__(self, executor: WSEExecutor, name: str) -> None:
+    The caches are keyed on the module's own ``weight`` parameter and ``weight_mask`` buffer
+    (objects and ``_version``); the kernels see `out_in` views, ``[out, in]``.
+    """
+
+    def __init__(self, executor: WSEExecutor, name: str, in_out: bool = False) -> None:
         self.executor = executor
         self.name = name
+        self.in_out = in_out  # weight stored [in, out] (HF Conv1D)
         self.csr: CSRWeight | None = None
         self.mask: Tensor | None = None  # the tensor the cache was built from
         self.version = -1
@@ -210,9 +261,14 @@ class _LayerState:
         self.runners: dict[int, Callable[[Tensor], Tensor]] = {}
         self.fast: _FastInference | None = None
 
-    def run(self, module: WSELinear, x: Tensor) -> Tensor:
-        weight, bias = module.weight, module.bias
-        mask = module._buffers.get(_MASK)
+    def out_in(self, t: Tensor) -> Tensor:
+        """``t`` (weight or mask) as ``[out, in]``: a transposed view for a Conv1D."""
+        return t.t() if self.in_out else t
+
+    def run(self, module: nn.Module, x: Tensor) -> Tensor:
+        """The layer's output ``[..., out]`` for an input ``x [..., in]``."""
+        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
+        mask = module._buffers.get(_MASK)  # the buffer itself, the cache key
         if mask is None:
             if self.csr is not None:  # densified: forget the structure
                 self.csr, self.mask = None, None
@@ -240,7 +296,7 @@ class _LayerState:
         )
         csr = self.structure(module, mask, transpose=not inference)
         if inference:
-            y = self._infer(x, weight, mask, bias, csr)
+            y = self._infer(x, module, csr)
             self._record(x, y, weight, csr.nnz, dense_grad=False)
             return y
         if self.values is not None:  # training gathers per call; free the inference cache
@@ -273,7 +329,7 @@ class _LayerState:
         self._record(x, y, weight, csr.nnz, dense_grad)
         return y
 
-    def zeros_kept(self, module: WSELinear, mask: Tensor) -> bool:
+    def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:
         """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
         it owns the weight under this very mask and its per-step gradient hook is on this very
         parameter (`core.per_step.StepHooks`). Masks registered without an algorithm
@@ -295,10 +351,9 @@ class _LayerState:
                 return True
         return False
 
-    def _infer(
-        self, x: Tensor, weight: Tensor, mask: Tensor, bias: Tensor | None, csr: CSRWeight
-    ) -> Tensor:
-        """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights).
+    def _infer(self, x: Tensor, module: nn.Module, csr: CSRWeight) -> Tensor:
+        """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights):
+        ``x [..., in] -> [..., out]``.
 
         The kept values are gathered once and reused until the weight is written (its version
         counter moves: an optimizer step between validation runs, ``load_state_dict``) or the
@@ -307,7 +362,8 @@ class _LayerState:
         in_features = csr.shape[1]
         if x.dim() == 0 or x.shape[-1] != in_features:
             raise ValueError(f"x must be [..., {in_features}], got shape {tuple(x.shape)}")
-
+        param, buffer, bias = module.weight, module._buffers[_MASK], module.bias
+        weight, mask = self.out_in(param), self.out_in(buffer)  # [out, in] views
         if weight.is_inference():  # no version counter to key a cache on
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
             values = self._stored(csr.gather_values(weight.detach()))
@@ -319,7 +375,7 @@ class _LayerState:
             self.runners = {}
             self.fast = None
             if not mask.is_inference() and weight.is_cpu:
-                self.fast = _FastInference(self, weight, mask, bias, x.dtype, csr.nnz)
+                self.fast = _FastInference(self, param, buffer, bias, x.dtype, csr)
         tokens = x.numel() // in_features if in_features else 0
         runner = self.runners.get(tokens)
         if runner is None:
@@ -336,9 +392,10 @@ class _LayerState:
             return values.to(torch.bfloat16)
         return values
 
-    def structure(self, module: WSELinear, mask: Tensor, transpose: bool = True) -> CSRWeight:
-        """The `CSRWeight` of ``mask``, rebuilt only when the mask may have changed (or when
-        training needs the transposed structure a forward-only one lacks)."""
+    def structure(self, module: nn.Module, mask: Tensor, transpose: bool = True) -> CSRWeight:
+        """The `CSRWeight` (``[out, in]``) of ``mask`` (the module's buffer), rebuilt only when
+        the mask may have changed (or when training needs the transposed structure a
+        forward-only one lacks)."""
         csr = self.csr
         # A structure built under inference_mode holds inference tensors, which autograd may not
         # save for backward: rebuild it for training. Inference builds forward-only structures.
@@ -351,7 +408,8 @@ class _LayerState:
         if usable and mask is self.mask and version == self.version and version >= 0:
             return csr
         start = time.perf_counter()
-        built = CSRWeight.from_dense(module.weight.detach(), mask, transpose=transpose)
+        weight = self.out_in(module.weight.detach())
+        built = CSRWeight.from_dense(weight, self.out_in(mask), transpose=transpose)
         seconds = time.perf_counter() - start
         if usable and built.same_structure(csr):
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
@@ -369,7 +427,7 @@ class _LayerState:
         self.executor.check_fallbacks()
         return csr
 
-    def _find_owners(self, module: WSELinear) -> None:
+    def _find_owners(self, module: nn.Module) -> None:
         """The algorithms owning this weight, read at each (re)build of the structure."""
         owners = self.executor.owners_of(module)
         self.owners = [weakref.ref(a) for a in owners]
@@ -395,8 +453,9 @@ class _LayerState:
 
 
 class _FastInference:
-    """`WSELinear.forward` without autograd when nothing changed since the last call: the same
-    mask (object and version), weight (object and version), bias and input dtype, a CPU input,
+    """A layer's forward without autograd when nothing changed since the last call: the same
+    mask buffer (object and version), weight parameter (object and version; ``[out, in]`` or a
+    Conv1D's ``[in, out]``), bias and input dtype, a CPU input,
     no CPU autocast, a token count already seen. Returns None otherwise, and `_LayerState.run`
     takes over (and rebuilds what changed). Records forward FLOPs like `_LayerState._record`.
     Made only for CPU weights; the checks read the module's dicts directly (cheaper than
@@ -408,15 +467,15 @@ class _FastInference:
 
     def __init__(
         self, state: _LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
-        dtype: torch.dtype, nnz: int,
+        dtype: torch.dtype, csr: CSRWeight,
     ) -> None:  # fmt: skip
         self.state, self.stats = state, state.executor.stats
         self.weight, self.mask, self.bias, self.dtype = weight, mask, bias, dtype
         self.weight_version, self.mask_version = weight._version, mask._version
-        self.in_features = weight.shape[1]
-        self.nnz, self.numel = nnz, weight.numel()
+        self.in_features = csr.shape[1]
+        self.nnz, self.numel = csr.nnz, weight.numel()
 
-    def __call__(self, module: WSELinear, x: Tensor) -> Tensor | None:
+    def __call__(self, module: nn.Module, x: Tensor) -> Tensor | None:
         params = module._parameters
         weight, mask = params["weight"], module._buffers.get(_MASK)
         if (
@@ -469,9 +528,9 @@ class _BackwardCounter:
 
 
 class _DenseCounter:
-    """Forward hook of a masked ``Conv2d`` / HF ``Conv1D`` running dense: records its matmuls
-    in the statistics with executed = dense equivalent (``2 * positions * weight numel`` each;
-    a Conv2d position is one output pixel of one example, a Conv1D position one token)."""
+    """Forward hook of a masked ``Conv2d`` running dense: records its matmuls in the statistics
+    with executed = dense equivalent (``2 * positions * weight numel`` each; a position is one
+    output pixel of one example)."""
 
     def __init__(self, executor: WSEExecutor) -> None:
         self.executor = weakref.ref(executor)
@@ -481,10 +540,7 @@ class _DenseCounter:
         if executor is None or not torch.is_tensor(y):
             return
         weight = module.weight
-        if isinstance(module, nn.Conv2d):
-            positions = y.numel() // y.shape[-3] if y.ndim >= 3 else 0
-        else:  # Conv1D: [..., out] outputs, weight [in, out]
-            positions = y.numel() // weight.shape[1]
+        positions = y.numel() // y.shape[-3] if y.ndim >= 3 else 0
         numel = weight.numel()
         x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
         stats = executor.stats
@@ -523,11 +579,13 @@ def install_executor(
     path: str | None = None,
     inference_dtype: str | None = None,
 ) -> WSEExecutor:
-    """Run ``model``'s masked `nn.Linear` layers in CSR from now on (see the module docstring).
+    """Run ``model``'s masked `nn.Linear` and HF ``Conv1D`` layers in CSR from now on (see the
+    module docstring).
 
     Args:
         model: any module; every submodule of exact type `nn.Linear` (``model`` itself included)
-            becomes a `WSELinear`. Layers another executor ran are taken over.
+            becomes a `WSELinear`, every HF ``Conv1D`` its device subclass. Layers another
+            executor ran are taken over.
         stats: where to record FLOPs, memory and rebuilds (default: a new `WSEStats`).
         path: `sparse_linear` path, see `WSEExecutor`.
         inference_dtype: "float32" or "bfloat16" storage of kept values in inference, see
@@ -543,8 +601,10 @@ def install_executor(
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear
-        if type(module) is WSELinear:
-            _STATE[module] = _LayerState(executor, name)
+        elif is_hf_conv1d(module) and not _on_device(module):
+            module.__class__ = _wse_conv1d_class(type(module))
+        if _on_device(module):
+            _STATE[module] = _LayerState(executor, name, in_out=is_hf_conv1d(module))
             executor._layers.add(module)
     executor.check_fallbacks()
     return executor

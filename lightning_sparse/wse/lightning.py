@@ -9,7 +9,8 @@ masks by then (``Trainer._run``: ``call._call_setup_hook`` precedes ``strategy.s
 
 1. checks the precision (the CSR kernels run float32/float64, so "32-true" and "64-true" only);
 2. installs the executor on the LightningModule (`install_executor`: every `nn.Linear` becomes a
-   `WSELinear`; masked ones run in CSR, see `executor.py`);
+   `WSELinear`, every HF ``Conv1D`` its device subclass; masked ones run in CSR, see
+   `executor.py`);
 3. adds a `WSEStatsMonitor` callback that closes each optimizer step's statistics and logs them.
 
 ``teardown`` (end of fit/validate/predict) undoes 2 and 3. Without a sparsity callback no layer
@@ -85,7 +86,8 @@ def check_precision(plugin: Precision) -> None:
 
 
 class WSEAccelerator(CPUAccelerator):
-    """The emulated wafer-scale device: masked `nn.Linear` layers execute in CSR.
+    """The emulated wafer-scale device: masked `nn.Linear` (and HF ``Conv1D``) layers execute in
+    CSR.
 
     Args:
         kernel_path: `sparse_linear` path for every layer: "auto" (time the paths once per shape

@@ -1,16 +1,16 @@
 """`WSEStats`: what the emulated wafer-scale device executed, held and rebuilt.
 
-The executor (`executor.py`) records every matmul of a `WSELinear` here; the accelerator's
+The executor (`executor.py`) records every matmul of a `WSELinear` (or Hugging Face ``Conv1D``,
+counted as the ``[out, in]`` Linear it transposes to) here; the accelerator's
 `WSEStatsMonitor` logs the figures once per optimizer step (``accelerator.stats.as_dict()``
 returns them; `get_device_stats` only with ``log_stats=False``). Pure bookkeeping: no
 tensors, no host syncs (every count is a Python int known from shapes and `CSRWeight.nnz`).
 
 FLOPs count the matmuls of Linear layers (a multiply-add is 2 FLOPs; bias adds and everything
 outside Linear layers are left out), for ``N`` tokens through a ``[out, in]`` weight with ``nnz``
-kept entries, as below. Masked ``Conv2d`` and Hugging Face ``Conv1D`` layers run dense on the
-device and are recorded with ``nnz = numel`` (executed = dense equivalent; ``N`` is the output
-positions: tokens for Conv1D, examples times output pixels for Conv2d); unmasked ones and
-embeddings are not recorded.
+kept entries, as below. Masked ``Conv2d`` layers run dense on the device and are recorded with
+``nnz = numel`` (executed = dense equivalent; ``N`` is the output positions, examples times
+output pixels); unmasked ones and embeddings are not recorded.
 
 ========================  ==================  ====================
 kind                      executed            dense equivalent

@@ -160,7 +160,7 @@ def log_comparison_to_wandb(
     out: Path, runs: list[dict[str, Any]], svg: str | None, project: str
 ) -> Path:
     """Log the comparison as a W&B run in ``out/wandb``: the plot (``val_loss``, `wandb.Html`
-    with the SVG inline), the table (``comparison``) and per-run figures in the summary
+    with the SVG inline; ``val_loss_chart``, W&B's line chart of the same curves), the table (``comparison``) and per-run figures in the summary
     (``<name>/val_loss``, ``<name>/train_flops_vs_dense``, ...). Mode: ``WANDB_MODE``, else
     online with a W&B account, else offline. Returns the run's local directory."""
     import wandb
@@ -206,6 +206,16 @@ def log_comparison_to_wandb(
     )
     try:
         media: dict[str, Any] = {"comparison": wandb.Table(columns=columns, data=rows)}
+        curves = [(r["name"], r["summary"].get("val_curve") or []) for r in runs]
+        curves = [(name, curve) for name, curve in curves if curve]
+        if curves:  # W&B's own line chart of the validation curves (interactive)
+            media["val_loss_chart"] = wandb.plot.line_series(
+                xs=[[step for step, _ in curve] for _, curve in curves],
+                ys=[[loss for _, loss in curve] for _, curve in curves],
+                keys=[name for name, _ in curves],
+                title="validation loss",
+                xname="step",
+            )
         if svg is not None:
             media["val_loss"] = wandb.Html(f"<html><body>{svg}</body></html>", inject=False)
         run.log(media)

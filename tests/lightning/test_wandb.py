@@ -196,6 +196,11 @@ def test_compare_logs_plot_and_table_to_wandb(
     assert (out / "val_loss.svg").read_text() in html
     table = json.loads((files / row["comparison"]["path"]).read_text())
     assert [r[0] for r in table["data"]] == ["dense", "rigl"]
+    chart = row["val_loss_chart_table"]  # W&B's line chart: its data table
+    points = json.loads((files / chart["path"]).read_text())
+    assert sorted(map(tuple, points["data"])) == [
+        (1, "dense", 4.5), (1, "rigl", 4.75), (2, "dense", 3.5), (2, "rigl", 3.75),
+    ]  # fmt: skip
     # The comparison run is listed with the recipes' runs for `wandb sync`.
     printed = capsys.readouterr().out
     assert f"wandb sync {files.parent.relative_to(tmp_path)}" in printed

@@ -98,7 +98,8 @@ class StepHooks:
 
     def __init__(self, algorithm: SparsityAlgorithm) -> None:
         self.algorithm = algorithm
-        self.optimizers: list[torch.optim.Optimizer] = []  # the last one advances ``step``
+        # Held weakly: an optimizer the user drops (a swap) is not kept alive with its state.
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
         self._handles: dict[str, RemovableHandle] = {}  # grad hooks by parameter name
         self._root_handles: list[RemovableHandle] = []
         self._optimizer_handles: dict[int, list[RemovableHandle]] = {}
@@ -158,9 +159,14 @@ class StepHooks:
 
         return mask_grad
 
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The attached optimizers still alive, in attach order; the last one advances ``step``."""
+        return [o for o in (ref() for ref in self._optimizers) if o is not None]
+
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Step pre/post hooks and a load-state hook on ``optimizer``; it now drives ``step``."""
-        self.optimizers.append(optimizer)
+        self._optimizers.append(weakref.ref(optimizer, self._forget(id(optimizer))))
         self._optimizer_handles[id(optimizer)] = [
             optimizer.register_step_pre_hook(_Hook(self._pre_step)),
             optimizer.register_step_post_hook(_Hook(self._post_step)),
@@ -172,10 +178,24 @@ class StepHooks:
         """Remove this algorithm's hooks from ``optimizer``."""
         for handle in self._optimizer_handles.pop(id(optimizer), []):
             handle.remove()
-        self.optimizers = [o for o in self.optimizers if o is not optimizer]
-        self._synced.pop(id(optimizer), None)
-        self._state_len.pop(id(optimizer), None)
-        self._dense_state.discard(id(optimizer))
+        self._optimizers = [ref for ref in self._optimizers if ref() is not optimizer]
+        self._drop_records(id(optimizer))
+
+    def _forget(self, key: int) -> Callable[[weakref.ref], None]:
+        """Weakref callback: an attached optimizer was garbage-collected (its hooks went with
+        it); drop what was recorded under its id, which a new object may reuse."""
+
+        def forget(ref: weakref.ref) -> None:
+            self._optimizers = [r for r in self._optimizers if r is not ref]
+            self._optimizer_handles.pop(key, None)
+            self._drop_records(key)
+
+        return forget
+
+    def _drop_records(self, key: int) -> None:
+        self._synced.pop(key, None)
+        self._state_len.pop(key, None)
+        self._dense_state.discard(key)
 
     def remove(self) -> None:
         """Remove every hook (optimizers, parameters, root)."""

@@ -770,3 +770,34 @@ def test_malformed_mask_targets_of_an_old_state_are_rejected_atomically() -> Non
     with pytest.raises(ValueError, match="mask_targets"):
         target.load_state_dict({"step": 7, "mask_targets": {"0.weight": "x"}})
     _assert_same(_frozen_state(model, target), before)
+
+
+def test_a_swapped_out_optimizer_is_not_kept_alive_and_the_new_one_drives_the_step() -> None:
+    """Plain-loop optimizer swap: the algorithm holds optimizers weakly."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    sparsity = RigL(0.5, update={"freq": 2})
+    model.apply(sparsity)
+    old = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sparsity.apply(old)
+    x = torch.randn(4, 8)
+    model(x).square().mean().backward()
+    old.step()
+    old.zero_grad()
+    dropped = weakref.ref(old)
+    new = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sparsity.apply(new)
+    del old
+    gc.collect()
+    assert dropped() is None  # not kept alive (with its Adam state) by the algorithm
+    assert sparsity.optimizers == [new]
+    for _ in range(3):
+        model(x).square().mean().backward()
+        new.step()
+        new.zero_grad()
+    assert sparsity.step == 4
+    for sp in sparsity.sparse_params.values():
+        assert not sp.param.detach()[~sp.mask].any()

@@ -160,9 +160,10 @@ def log_comparison_to_wandb(
     out: Path, runs: list[dict[str, Any]], svg: str | None, project: str
 ) -> Path:
     """Log the comparison as a W&B run in ``out/wandb``: the plot (``val_loss``, `wandb.Html`
-    with the SVG inline; ``val_loss_chart``, W&B's line chart of the same curves), the table (``comparison``) and per-run figures in the summary
-    (``<name>/val_loss``, ``<name>/train_flops_vs_dense``, ...). Mode: ``WANDB_MODE``, else
-    online with a W&B account, else offline. Returns the run's local directory."""
+    with the SVG inline; ``val_loss_chart``, W&B's line chart of the same curves), the table
+    (``comparison``) and per-run figures in the summary (``<name>/val_loss``,
+    ``<name>/train_flops_vs_dense``, ...). Mode: ``WANDB_MODE``, else online with a W&B
+    account, else offline. Returns the run's local directory."""
     import wandb
 
     from lightning_sparse.app.cli import wandb_mode

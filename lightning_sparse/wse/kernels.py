@@ -70,6 +70,13 @@ AUTOTUNE_MARGIN_TRAINING = 0.2
 timing alone misses (inputs no longer in cache, per-call work around the kernels). Measured on the
 recipe model (2048 tokens, 1 thread, Intel Xeon): at 70% paths 8-12% faster alone made the whole
 step 10% slower than dense."""
+DECODE_BYTES_RATIO = 0.5
+"""Few-token (decode) inference is memory-bound: inside a model each layer's weights stream from
+memory, which the autotuner's repeated calls on one layer (weights in cache) do not see. A sparse
+path is a candidate there only if its kept values and column indices are at most this share of
+the dense weight's bytes. Measured on the 50M-parameter Llama (batch-1 decode, 2 threads, Intel
+Xeon): at 50% (values + 16-bit indices = 0.75 of the dense bytes) one-token kernels 7-20% faster
+alone made decode 0.85-0.91x dense; at 70% (0.45) they made it 1.12-1.42x."""
 _AUTOTUNE_CACHE: dict[tuple, str] = {}
 
 # Native library settings (see the last section).
@@ -330,6 +337,11 @@ def _autotune(
     Candidates run interleaved; each is scored by its best repeat, the least disturbed by other
     processes, which estimates its intrinsic cost better than the median on a shared machine.
     """
+    if not requires_grad and tokens <= _FEW_TOKENS and "dense" in candidates:
+        index_bytes = 2 if csr.shape[1] <= 65536 else 4  # the one-token kernel's column indices
+        sparse_bytes = csr.nnz * (x.element_size() + index_bytes)
+        if sparse_bytes > DECODE_BYTES_RATIO * math.prod(csr.shape) * x.element_size():
+            return "dense"  # see DECODE_BYTES_RATIO
     if len(candidates) == 1:
         return candidates[0]
     generator = torch.Generator(device=x.device).manual_seed(0)

@@ -344,14 +344,15 @@ def _fake_timings(
 def test_auto_falls_back_to_dense_unless_sparse_clearly_wins(
     monkeypatch: pytest.MonkeyPatch, requires_grad: bool, sparse_seconds: float, expected: str
 ) -> None:
-    """50% density on a small shape: with "dense" timed at 1.0 s, a sparse path slower than it,
-    or faster by less than `AUTOTUNE_MARGIN`, loses; one clearly faster wins."""
+    """50% density on a small shape, 32 tokens (not a memory-bound decode call): with "dense"
+    timed at 1.0 s, a sparse path slower than it, or faster by less than the margin, loses; one
+    clearly faster wins."""
     clear_autotune_cache()
     seconds = {"compiled": sparse_seconds, "torch": sparse_seconds + 0.01, "dense": 1.0}
     timed = _fake_timings(monkeypatch, seconds)
     weight = torch.randn(16, 12)
     csr = CSRWeight.from_dense(weight, _mask((16, 12), 0.5, seed=3))
-    chosen = kernels.resolve_path(torch.randn(4, 12), weight, csr, "auto", requires_grad)
+    chosen = kernels.resolve_path(torch.randn(32, 12), weight, csr, "auto", requires_grad)
     sparse = "compiled" if kernels.compiled_available() else "torch"
     assert chosen == (sparse if expected == "sparse" else "dense")
     assert ("dense", requires_grad) in timed, "dense was not among the measured candidates"
@@ -476,7 +477,28 @@ def test_training_needs_the_wider_margin(
     _fake_timings(monkeypatch, {"compiled": 0.88, "torch": 0.89, "dense": 1.0})
     weight = torch.randn(16, 12)
     csr = CSRWeight.from_dense(weight, _mask((16, 12), 0.5, seed=3))
-    chosen = kernels.resolve_path(torch.randn(4, 12), weight, csr, "auto", requires_grad)
+    chosen = kernels.resolve_path(torch.randn(32, 12), weight, csr, "auto", requires_grad)
     sparse = "compiled" if kernels.compiled_available() else "torch"
     assert chosen == ("dense" if requires_grad else sparse)
+    clear_autotune_cache()
+
+
+@pytest.mark.parametrize(("sparsity", "tokens", "expected"), [
+    (0.5, 1, "dense"),    # values + 16-bit indices: 0.75 of the dense bytes, memory-bound
+    (0.8, 1, "sparse"),   # 0.3 of the dense bytes
+    (0.5, 32, "sparse"),  # a prefill is not memory-bound: timing decides
+])  # fmt: skip
+def test_decode_takes_a_sparse_path_only_if_it_halves_the_bytes(
+    monkeypatch: pytest.MonkeyPatch, sparsity: float, tokens: int, expected: str
+) -> None:
+    """Few-token inference streams weights from memory in a model, which timing one layer
+    (weights in cache) misses: a sparse layout must at least halve the bytes
+    (`DECODE_BYTES_RATIO`), however fast it ran alone."""
+    clear_autotune_cache()
+    _fake_timings(monkeypatch, {"compiled": 0.5, "torch": 0.5, "dense": 1.0})
+    weight = torch.randn(64, 48)
+    csr = CSRWeight.from_dense(weight, _mask((64, 48), sparsity, seed=4))
+    chosen = kernels.resolve_path(torch.randn(tokens, 48), weight, csr, "auto", False)
+    sparse = "compiled" if kernels.compiled_available() else "torch"
+    assert chosen == (sparse if expected == "sparse" else "dense")
     clear_autotune_cache()

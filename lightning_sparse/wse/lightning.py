@@ -136,7 +136,7 @@ class WSEAccelerator(CPUAccelerator):
         how = " (timed per shape, fastest kept)" if kernels == "auto" else ""
         return (
             f"lightning-sparse: WSE device: {masked} masked layers in CSR, "
-            f"{len(layers) - masked} Linear layers dense, kernels {kernels}{how}"
+            f"{len(layers) - masked} unmasked layers dense, kernels {kernels}{how}"
         )
 
     def teardown(self) -> None:

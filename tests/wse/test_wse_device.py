@@ -265,7 +265,7 @@ def test_device_line_at_setup_and_statistics_in_the_run_summary(
     trainer = _trainer(_wse(), [ALGORITHMS["rigl"](), summary], max_steps=4)
     with caplog.at_level("INFO"):
         trainer.fit(TinyLlamaLM("sgd"), token_loader())
-    assert f"lightning-sparse: WSE device: 14 masked layers in CSR, 1 Linear layers dense, " \
+    assert f"lightning-sparse: WSE device: 14 masked layers in CSR, 1 unmasked layers dense, " \
         f"kernels {PATH}" in caplog.text  # fmt: skip
     device = summary.summary["device"]  # type: ignore[index]
     stats = trainer.accelerator.stats

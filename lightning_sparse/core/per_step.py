@@ -159,6 +159,11 @@ class StepHooks:
 
         return mask_grad
 
+    def guards(self, name: str, param: torch.Tensor) -> bool:
+        """Whether the gradient hook of ``name`` is installed on this very ``param``: its pruned
+        weight entries and gradient are then exactly 0 after every backward."""
+        return self._hooked.get(name) is param and name in self._handles
+
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """The attached optimizers still alive, in attach order; the last one advances ``step``."""

@@ -341,13 +341,8 @@ class _LayerState:
                 continue
             sp = algorithm.sparse_params.get(name)
             hooks = getattr(algorithm, "hooks", None)
-            if (
-                sp is not None
-                and sp.mask is mask
-                and hooks is not None
-                and hooks._hooked.get(name) is weight
-                and name in hooks._handles
-            ):
+            guarded = hooks is not None and hooks.guards(name, weight)
+            if sp is not None and sp.mask is mask and guarded:
                 return True
         return False
 

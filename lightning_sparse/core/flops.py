@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import validate
 from .layouts import is_hf_conv1d
 from .sparse_parameter import mask_buffer_name
 
@@ -223,18 +224,14 @@ def transformer_flops(
         The :class:`FlopReport`.
 
     Raises:
-        ValueError: a size that is not a positive integer, ``d_model`` not divisible by
-            ``n_heads``, an unknown ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
+        TypeError: a size that is not an int, a sparsity that is not a number.
+        ValueError: a size below 1, ``d_model`` not divisible by ``n_heads``, an unknown
+            ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
     """
-    for name, value in (
-        ("n_layers", n_layers),
-        ("d_model", d_model),
-        ("n_heads", n_heads),
-        ("seq_len", seq_len),
-        ("vocab_size", vocab_size),
-    ):
-        _check_count(name, value)
-    _check_count("n_positions", n_positions, minimum=0)
+    n_layers, d_model = _check_count("n_layers", n_layers), _check_count("d_model", d_model)
+    n_heads, seq_len = _check_count("n_heads", n_heads), _check_count("seq_len", seq_len)
+    vocab_size = _check_count("vocab_size", vocab_size)
+    n_positions = _check_count("n_positions", n_positions, minimum=0)
     if d_model % n_heads:
         raise ValueError(
             f"d_model={d_model} is not divisible by n_heads={n_heads}; the head size "
@@ -505,16 +502,8 @@ def _kept(numel: int, sparsity: float) -> int:
 
 
 def _check_sparsity(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(
-            f"sparsity of {name!r} is {value!r}; sparsity is the fraction of zeros "
-            "and must lie in [0, 1): pass e.g. 0.9 to drop 90% of the weights."
-        )
-    return float(value)
+    return validate.sparsity(value, where=name)
 
 
 def _check_count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {kind}; pass the model's actual {name}.")
-    return value
+    return validate.integer(value, name, minimum, fix=f"pass the model's actual {name}")

@@ -13,36 +13,41 @@ from __future__ import annotations
 import bisect
 import inspect
 import math
-import numbers
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import validate
+
 
 def _real(owner: str, name: str, value: object) -> float:
-    """Return ``value`` as a float, or raise naming ``owner``'s argument ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{owner} {name} must be a real number, got {value!r} ({type(value).__name__}); "
-            f"pass a float such as 0.5"
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"{owner} {name} must be finite, got {value!r}; pass a finite float")
-    return float(value)
+    return validate.real(value, name, owner=owner)
 
 
 def _int(owner: str, name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``, else raise naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{owner} {name} must be an int (a step count), got {value!r} "
-            f"({type(value).__name__}); pass a whole number of steps"
-        )
-    if value < minimum:
-        raise ValueError(
-            f"{owner} {name} must be >= {minimum}, got {value!r}; pass an int >= {minimum}"
-        )
-    return int(value)
+    return validate.integer(value, name, minimum, owner=owner, unit="steps")
+
+
+_LOG_MAX = math.log(sys.float_info.max)  # exp(x) overflows a float beyond this x
+
+
+def _last_finite(power: Callable[[int], float], estimate: float) -> int:
+    """The last step ``t`` at which ``power(t)`` does not overflow, near ``estimate`` (the
+    logarithm's answer, off by one either way from rounding)."""
+
+    def finite(t: int) -> bool:
+        try:
+            return math.isfinite(power(t))
+        except OverflowError:
+            return False
+
+    t = math.floor(estimate)
+    while t > 0 and not finite(t):
+        t -= 1
+    while finite(t + 1):
+        t += 1
+    return t
 
 
 def _repr_from_init(obj: object) -> str:
@@ -77,6 +82,11 @@ class HyperParameterSchedule(ABC):
     def milestones(self) -> tuple[int, ...]:
         """Steps where the value reaches a final level and an update must happen (GMP ramps)."""
         return ()
+
+    def defined_until(self) -> int | None:
+        """The last step at which the formula can be computed in floating point (``None``: every
+        step); past it the schedule overflows (`Exp`, `Power` growing without bound)."""
+        return None
 
     def __repr__(self) -> str:
         return _repr_from_init(self)
@@ -113,6 +123,12 @@ class Exp(HyperParameterSchedule):
     def __call__(self, step: int) -> float:
         return self.final - (self.final - self.init) * math.exp(self.gamma * step)
 
+    def defined_until(self) -> int | None:
+        """``exp(gamma * t)`` overflows once ``gamma * t > log(float max)`` (gamma > 0)."""
+        if self.gamma <= 0:
+            return None
+        return _last_finite(lambda t: math.exp(self.gamma * t), _LOG_MAX / self.gamma)
+
 
 class Power(HyperParameterSchedule):
     """``y(t) = init * beta ** t``."""
@@ -123,6 +139,12 @@ class Power(HyperParameterSchedule):
 
     def __call__(self, step: int) -> float:
         return self.init * self.beta**step
+
+    def defined_until(self) -> int | None:
+        """``beta ** t`` overflows once ``t * log|beta| > log(float max)`` (``|beta| > 1``)."""
+        if abs(self.beta) <= 1:
+            return None
+        return _last_finite(lambda t: self.beta**t, _LOG_MAX / math.log(abs(self.beta)))
 
 
 class Cosine(HyperParameterSchedule):
@@ -291,7 +313,7 @@ def make_hyperparam_schedule(value: Any) -> HyperParameterSchedule:
     """
     if isinstance(value, HyperParameterSchedule):
         return value
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if validate.is_number(value):
         return Constant(value)
     if isinstance(value, (list, tuple)):
         return Cycling(list(value))
@@ -326,6 +348,14 @@ class UpdateSchedule(ABC):
         """The last step that can be an update step, or ``None`` when updates never end."""
         return None
 
+    def next_update(self, step: int) -> int | None:
+        """The first update step ``>= step``, or ``None`` when none comes (the generic form
+        walks the steps up to `last`; an open-ended cadence is assumed to reach ``step``)."""
+        last = self.last()
+        if last is None:
+            return step
+        return next((s for s in range(step, last + 1) if self(s)), None)
+
     def __repr__(self) -> str:
         return _repr_from_init(self)
 
@@ -359,6 +389,10 @@ class FreqSchedule(UpdateSchedule):
     def last(self) -> int | None:
         return None if self.stop is None else self.stop - 1
 
+    def next_update(self, step: int) -> int | None:
+        first = self.start + max(0, -(-(step - self.start) // self.freq)) * self.freq
+        return first if self.stop is None or first < self.stop else None
+
 
 class ListSchedule(UpdateSchedule):
     """At exactly the listed steps: ``update(t) = t in steps``."""
@@ -381,6 +415,10 @@ class ListSchedule(UpdateSchedule):
     def last(self) -> int | None:
         return self.steps[-1]
 
+    def next_update(self, step: int) -> int | None:
+        i = bisect.bisect_left(self.steps, step)
+        return self.steps[i] if i < len(self.steps) else None
+
 
 class NeverSchedule(UpdateSchedule):
     """No update step at all (``Static``)."""
@@ -393,6 +431,9 @@ class NeverSchedule(UpdateSchedule):
 
     def last(self) -> int | None:
         return 0
+
+    def next_update(self, step: int) -> int | None:
+        return None
 
 
 class CallableSchedule(UpdateSchedule):
@@ -436,7 +477,7 @@ def make_update_schedule(update: Any) -> UpdateSchedule:
         return update
     if update is None:
         return FreqSchedule(1)
-    if isinstance(update, numbers.Integral) and not isinstance(update, bool):
+    if validate.is_integer(update):
         return FreqSchedule(update)
     if isinstance(update, dict):
         accepted = {"steps"} if "steps" in update else {"freq", "start", "stop"}
@@ -491,7 +532,8 @@ def evaluate(schedule: HyperParameterSchedule, step: int, what: str) -> float:
     except (OverflowError, ZeroDivisionError, ValueError, TypeError) as err:
         raise ValueError(
             f"{what} schedule {schedule!r} fails at step {step} ({type(err).__name__}: {err}); "
-            "choose parameters that stay finite over the whole run (e.g. a smaller |gamma|)"
+            "choose parameters that stay finite over the whole run (Exp: gamma < 0 decays "
+            "towards final; a smaller gamma or |beta| overflows later)"
         ) from None
     if not math.isfinite(value):
         raise ValueError(
@@ -501,25 +543,18 @@ def evaluate(schedule: HyperParameterSchedule, step: int, what: str) -> float:
     return value
 
 
-def check_sparsity_value(value: float, step: int, schedule: object, where: str = "") -> None:
-    """Raise unless a scheduled sparsity is in [0, 1): naming value, step, rule and fix."""
-    if not 0.0 <= value < 1.0:
-        suffix = f" for {where!r}" if where else ""
-        raise ValueError(
-            f"sparsity schedule {schedule!r} gives {value:g} at step {step}{suffix}; sparsity "
-            "must stay in [0, 1) over the whole run (1.0 would prune every weight): lower its "
-            "final value or end it before it leaves the range"
-        )
-
-
-def check_drop_fraction_value(value: float, step: int, schedule: object) -> None:
-    """Raise unless a scheduled drop fraction is in [0, 1]."""
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"drop_fraction schedule {schedule!r} gives {value:g} at step {step}; it is the "
-            "share of active weights replaced per update, so it must stay in [0, 1] (the RigL "
-            "paper uses 0.3 decayed by a cosine)"
-        )
+def first_undefined_use(
+    schedule: HyperParameterSchedule, cadence: UpdateSchedule, extra: Iterable[int] = ()
+) -> int | None:
+    """The first step at which ``schedule`` would be used (an update step of ``cadence``, or one
+    of ``extra``) past its `~HyperParameterSchedule.defined_until`, however long the run is;
+    ``None`` when it is never used there. Such a schedule fails at that step in any run that
+    reaches it, so algorithms refuse it when built (an ``Exp`` whose gamma overflows)."""
+    limit = schedule.defined_until()
+    if limit is None:
+        return None
+    uses = [s for s in (cadence.next_update(limit + 1), *extra) if s is not None and s > limit]
+    return min(uses, default=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,22 +565,29 @@ ScheduleSpec = float | list | dict | Callable[[int], float] | HyperParameterSche
 UpdateSpec = int | list | dict | Callable[[int], bool] | UpdateSchedule | None
 
 
-def validate_sparsity(value: object, where: str = "") -> float:
-    """One sparsity level: a real number in [0, 1), else an error naming value, rule and fix."""
-    suffix = f" for {where!r}" if where else ""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"sparsity={value!r}{suffix} must be a float in [0, 1), e.g. 0.8")
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(
-            f"sparsity={value!r}{suffix} must be in [0, 1): it is the fraction of zeros, so 0.8 "
-            "keeps 20% of the weights"
-        )
-    return float(value)
+def _scalar_like(value: object) -> bool:
+    return value is None or isinstance(value, str | bytes | bool)
 
 
 def bind(
-    schedule: ScheduleSpec, cadence: UpdateSchedule, count_zero: bool
+    schedule: ScheduleSpec,
+    cadence: UpdateSchedule,
+    count_zero: bool,
+    check: Callable[..., float] | None = None,
 ) -> HyperParameterSchedule:
-    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates."""
+    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates.
+
+    Args:
+        schedule: the spec (see `make_hyperparam_schedule`).
+        cadence: the algorithm's update cadence.
+        count_zero: whether step 0 counts as an update for `Cycling`.
+        check: the validator of the value's kind (`validate.sparsity`, `validate.drop_fraction`),
+            run on a number or each number of a list, so the error names the argument and its
+            range rather than the schedule class.
+    """
+    if check is not None and (validate.is_number(schedule) or _scalar_like(schedule)):
+        schedule = check(schedule)  # a bad scalar (str, bool, None) gets the kind's TypeError
+    elif check is not None and isinstance(schedule, list | tuple):
+        schedule = [check(v) if validate.is_number(v) else v for v in schedule]
     built = make_hyperparam_schedule(schedule)
     return built.bind(cadence, count_zero) if isinstance(built, Cycling) else built

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_sparse.core import validate
 from lightning_sparse.core.filters import ParamFilter
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.algorithms import GMP
@@ -86,7 +87,7 @@ class IterativePruning(pl.Callback):
         verbose: print the level table at the end of ``fit``.
 
     Raises:
-        ValueError: for an argument outside its range, naming it.
+        TypeError / ValueError: for an argument of the wrong type or outside its range, naming it.
     """
 
     def __init__(
@@ -102,13 +103,9 @@ class IterativePruning(pl.Callback):
         monitor: str = "val/loss",
         verbose: bool = True,
     ) -> None:
-        for name, value, minimum in (
-            ("level_steps", level_steps, 1),
-            ("levels", levels, 1),
-            ("rewind_to", rewind_to, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+        level_steps = validate.integer(level_steps, "level_steps", 1, unit="optimizer steps")
+        levels = validate.integer(levels, "levels", 1)
+        rewind_to = validate.integer(rewind_to, "rewind_to", 0, unit="optimizer steps")
         if isinstance(prune_fraction, bool) or not 0.0 < float(prune_fraction) < 1.0:
             raise ValueError(
                 f"prune_fraction={prune_fraction!r} must be in (0, 1): the share of the remaining "

@@ -147,7 +147,7 @@ def test_load_weights_errors_and_mask_dropping(tmp_path: Path) -> None:
     t = trainer(tmp_path, max_steps=1, callbacks=[LoadWeights(str(tmp_path / "missing.ckpt"))])
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         t.fit(TinyLM(), token_loader())
-    with pytest.raises(ValueError, match="dense_from_step"):
+    with pytest.raises(TypeError, match="dense_from_step must be an int"):
         VariableSPDF(dense_from_step=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="remove the sparsity callback"):
         VariableSPDF(dense_from_step=0)

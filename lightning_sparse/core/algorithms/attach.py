@@ -26,7 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..filters import default_sparse_param_filter, is_dense_by_module, output_head_ids
+from ..filters import (
+    default_sparse_param_filter,
+    is_dense_by_module,
+    output_head_ids,
+    unselected_patterns,
+)
 from ..layouts import is_in_out
 from ..rng import generator_for, resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
@@ -83,8 +88,9 @@ def check_shaper(shaper: object) -> Shaper:
 def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
     """Parameters of ``root`` the algorithm's filter picks, in registration order."""
     tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
-    chosen, frozen = [], []
+    chosen, frozen, names = [], [], []
     for candidate in candidates(root):
+        names.append(candidate[0])
         if algorithm.param_filter is not None:
             if algorithm.param_filter(candidate[0], candidate[3]):
                 chosen.append(candidate)
@@ -93,6 +99,8 @@ def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
                 chosen.append(candidate)
             else:
                 frozen.append(candidate[0])
+    for message in unselected_patterns(algorithm.name, algorithm.param_filter, names):
+        warnings.warn(message, stacklevel=4)  # a typo in one glob of a list
     if frozen:
         log.info("%s: %d frozen parameter(s) left dense (first: %s); select them with param_filter "
                  "to give them a fixed mask", algorithm.name, len(frozen), frozen[0])

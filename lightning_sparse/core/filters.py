@@ -3,7 +3,9 @@
 A filter is a callable ``(name, param) -> bool`` over the full dotted parameter name. The default
 follows Cerebras' ``default_sparse_param_filter`` and also decides by module type, so models that
 name things differently (Hugging Face ``embed_tokens`` / ``lm_head``, tied embeddings) come out
-right: weights with ``ndim >= 2`` that are not embeddings, normalisation or an output head.
+right: weights with ``ndim >= 2`` that are not embeddings, normalisation or an output head, and
+never the adapters PEFT adds (:func:`adapter_parameter_ids`: LoRA A/B, DoRA magnitudes,
+``modules_to_save`` copies, other tuners' parameters).
 
 Output heads are found by structure where possible (:func:`output_head_ids`: the module a Hugging
 Face model's ``get_output_embeddings()`` returns; its last projection when that projects to
@@ -18,6 +20,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+import sys
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
@@ -27,6 +30,9 @@ from .layouts import is_hf_conv1d
 
 __all__ = [
     "ParamFilter",
+    "adapter_parameter_ids",
+    "dense_by_default_ids",
+    "frozen_left_dense",
     "PatternFilter",
     "default_sparse_param_filter",
     "glob_filter",
@@ -108,6 +114,77 @@ def output_head_ids(root: nn.Module) -> set[int]:
             if out_features == num_labels:
                 ids.update(id(p) for p in last.parameters())
     return ids
+
+
+def adapter_parameter_ids(root: nn.Module) -> set[int]:
+    """``id``s of the parameters PEFT adds to ``root``: never selected by the default filter.
+
+    PEFT (``get_peft_model``) wraps layers in tuner layers (`peft.tuners.tuners_utils.
+    BaseTunerLayer`: LoRA, DoRA, AdaLoRA, LoHa, LoKr, IA3, OFT, VeRA, ...) that list their adapter
+    parameters' attributes in ``adapter_layer_names`` (LoRA: ``lora_A``, ``lora_B``,
+    ``lora_embedding_A``, ``lora_embedding_B``; DoRA adds ``lora_magnitude_vector``) and
+    ``other_param_names``, and wraps ``modules_to_save`` in an ``AuxiliaryTrainingWrapper`` whose
+    trainable copies sit under ``modules_to_save``; prompt-learning models keep theirs under
+    ``prompt_encoder``. All of these are adapters; the base weights (``base_layer``,
+    ``original_module``) are not. Found by class (peft's own base classes, by name, so nothing
+    imports peft: a model can only hold peft modules once peft is imported).
+    """
+    if "peft" not in sys.modules:
+        return set()
+    ids: set[int] = set()
+    for module in root.modules():
+        if _is_peft_layer(module):
+            attrs = vars(module).get("adapter_layer_names") or type(module).adapter_layer_names
+            other = getattr(type(module), "other_param_names", ())
+            for attr in (*attrs, *other):
+                ids.update(id(p) for p in _parameters_under(module, attr))
+        prompt = module._modules.get("prompt_encoder")
+        if prompt is not None and type(module).__module__.startswith("peft."):
+            ids.update(id(p) for p in prompt.parameters())
+    return ids
+
+
+_PEFT_BASES = ("BaseTunerLayer", "AuxiliaryTrainingWrapper")
+
+
+def _is_peft_layer(module: nn.Module) -> bool:
+    return any(
+        cls.__name__ in _PEFT_BASES and cls.__module__.startswith("peft.")
+        for cls in type(module).__mro__
+    )
+
+
+def _parameters_under(module: nn.Module, attr: str) -> list[nn.Parameter]:
+    """The parameter ``module.<attr>``, or those of the submodule there (read from the registries,
+    not ``getattr``: peft's wrappers forward unknown attributes to the wrapped module)."""
+    if attr in module._parameters and module._parameters[attr] is not None:
+        return [module._parameters[attr]]  # type: ignore[list-item]
+    sub = module._modules.get(attr)
+    return list(sub.parameters()) if sub is not None else []
+
+
+def dense_by_default_ids(root: nn.Module) -> set[int]:
+    """``id``s the default filter never selects: output heads (`output_head_ids`) and PEFT
+    adapters (`adapter_parameter_ids`)."""
+    return output_head_ids(root) | adapter_parameter_ids(root)
+
+
+def frozen_left_dense(owner: str, frozen: Sequence[str]) -> str:
+    """The warning for parameters the default filter left dense because they are frozen: their
+    names (the first three and a count) and how to select them (``*base_layer.weight`` for the
+    base weights a PEFT model wraps)."""
+    shown = ", ".join(repr(name) for name in frozen[:3])
+    if len(frozen) > 3:
+        shown += f" and {len(frozen) - 3} more"
+    if any(".base_layer." in name for name in frozen):
+        example = '"*base_layer.weight" (the base weights PEFT wraps)'
+    else:
+        example = f"{frozen[0]!r} or a glob matching them"
+    return (
+        f"{owner}: the default filter left {len(frozen)} frozen parameter(s) dense: {shown}; it "
+        "sparsifies trainable weights only, and never PEFT adapters. To give frozen weights a "
+        f"fixed mask, select them with param_filter, e.g. param_filter={example}"
+    )
 
 
 class PatternFilter:

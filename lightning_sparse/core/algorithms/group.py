@@ -26,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from ..filters import (
     ParamFilter,
     PatternFilter,
+    dense_by_default_ids,
     make_param_filter,
-    output_head_ids,
     unselected_patterns,
 )
 from ..observers import SparsityHook, UpdateHook
@@ -138,7 +138,7 @@ class Group:
     def route(self, root: nn.Module) -> list[list[Candidate]]:
         """The candidates of ``root`` each member gets (first matching filter wins). Warns, by
         name, of every pattern and every member that selects nothing (`report_unselected`)."""
-        tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
+        tied = tied_parameter_ids(root) | dense_by_default_ids(root)  # heads, PEFT adapters
         routed: list[list[Candidate]] = [[] for _ in self.members]
         matched: list[list[str]] = [[] for _ in self.members]  # every name each filter matches
         names = []

@@ -359,8 +359,6 @@ def _kind_sparsity(sparsity: float | Mapping[str, float], tied: bool) -> dict[st
     return {kind: _check_sparsity(kind, sparsity.get(kind, 0.0)) for kind in MATRIX_KINDS}
 
 
-
-
 def _kept(numel: int, sparsity: float) -> int:
     """Weights a mask of ``sparsity`` keeps (design.md: ``int((1 - s) * n)``)."""
     return int((1.0 - sparsity) * numel)

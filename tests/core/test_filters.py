@@ -158,20 +158,21 @@ def test_group_pattern_shadowed_by_an_earlier_one_is_named() -> None:
     messages = _warnings(lambda: group.apply(model))
     assert not b.sparse_params and set(a.sparse_params) == {"0.weight", "2.weight"}
     assert len(messages) == 1, messages
-    assert f"sparsity_group[1] ({b.name}): param_filter glob '0.weight' selects nothing" in (
-        messages[0]
-    )
+    shadowed = f"sparsity_group[1] ({b.name}): param_filter glob '0.weight' selects nothing"
+    assert shadowed in messages[0]
     assert f"go to sparsity_group[0] ({a.name})" in messages[0] and "first matching" in messages[0]
 
 
 def test_group_reports_each_unselected_pattern_of_a_list_and_each_empty_callable() -> None:
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     first, second, third = Static(0.5), Static(0.3), Static(0.2)
-    group = Group({
-        "0.*": first,
-        ("2.weight", "0.bias", "3.weight"): second,  # 0.bias shadowed, 3.weight a typo
-        (lambda name, p: name == "0.weight"): third,  # shadowed
-    })
+    group = Group(
+        {
+            "0.*": first,
+            ("2.weight", "0.bias", "3.weight"): second,  # 0.bias shadowed, 3.weight a typo
+            (lambda name, p: name == "0.weight"): third,  # shadowed
+        }
+    )
     messages = _warnings(lambda: group.apply(model))
     assert set(second.sparse_params) == {"2.weight"} and not third.sparse_params
     assert len(messages) == 3, messages

@@ -31,8 +31,15 @@ def mlp() -> nn.Sequential:
 
 @pytest.mark.parametrize(
     ("bad", "error"),
-    [(1.0, ValueError), (-0.1, ValueError), (NAN, ValueError), (True, TypeError),
-     ("0.5", TypeError), (None, TypeError), (torch.ones(2), TypeError)],
+    [
+        (1.0, ValueError),
+        (-0.1, ValueError),
+        (NAN, ValueError),
+        (True, TypeError),
+        ("0.5", TypeError),
+        (None, TypeError),
+        (torch.ones(2), TypeError),
+    ],
     ids=["1.0", "-0.1", "nan", "bool", "str", "none", "1-d tensor"],
 )
 def test_sparsity_names_value_rule_and_fix(bad: object, error: type[Exception]) -> None:
@@ -43,8 +50,18 @@ def test_sparsity_names_value_rule_and_fix(bad: object, error: type[Exception]) 
     assert "e.g. 0.8" in message or "0.8 keeps 20%" in message
 
 
-@pytest.mark.parametrize("good", [0, 0.9, np.float32(0.8), np.float64(0.5), np.int64(0),
-                                  torch.tensor(0.25), torch.tensor(0.5, dtype=torch.float64)])
+@pytest.mark.parametrize(
+    "good",
+    [
+        0,
+        0.9,
+        np.float32(0.8),
+        np.float64(0.5),
+        np.int64(0),
+        torch.tensor(0.25),
+        torch.tensor(0.5, dtype=torch.float64),
+    ],
+)
 def test_numbers_numpy_users_pass_are_accepted_as_plain_floats(good: object) -> None:
     value = validate.sparsity(good)
     assert type(value) is float and value == float(good)  # type: ignore[arg-type]

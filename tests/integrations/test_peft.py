@@ -124,8 +124,11 @@ def test_default_filter_never_selects_peft_adapters_and_warns_of_the_frozen_base
         with pytest.warns(UserWarning, match="no parameter"):
             model.apply(sparsity)
     assert not sparsity.sparse_params
-    assert all(torch.equal(p, adapters_before[n]) for n, p in model.named_parameters()
-               if n in adapters_before)
+    assert all(
+        torch.equal(p, adapters_before[n])
+        for n, p in model.named_parameters()
+        if n in adapters_before
+    )
     frozen = [r for r in caplog.records if "frozen parameter(s) dense" in r.getMessage()]
     assert len(frozen) == 1 and frozen[0].levelno == logging.WARNING
     message = frozen[0].getMessage()
@@ -139,7 +142,8 @@ def test_default_filter_selects_exactly_the_trainable_base_weights_of_a_peft_mod
     """Base weights made trainable again are ordinary weights; adapters never are."""
     model = with_lora_and_saved_modules(llama())
     unfrozen = {
-        n for n, p in model.named_parameters()
+        n
+        for n, p in model.named_parameters()
         if n.endswith("q_proj.base_layer.weight") or n.endswith("down_proj.original_module.weight")
     }
     for name, p in model.named_parameters():

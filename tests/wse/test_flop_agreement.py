@@ -44,8 +44,11 @@ class OneHotMLP(pl.LightningModule):
 
 @pytest.mark.parametrize(
     ("make", "accumulate", "dense_grad_steps"),
-    [(lambda: RigL(0.75, update={"freq": 2}), 1, 1), (lambda: RigL(0.5, update={"freq": 1}), 2, 3),
-     (lambda: Static(0.75), 1, 0)],
+    [
+        (lambda: RigL(0.75, update={"freq": 2}), 1, 1),
+        (lambda: RigL(0.5, update={"freq": 1}), 2, 3),
+        (lambda: Static(0.75), 1, 0),
+    ],
     ids=["rigl", "rigl-accumulate", "static"],
 )
 def test_summary_flop_counter_and_device_agree_exactly(

@@ -106,7 +106,8 @@ class IterativePruning(pl.Callback):
         level_steps = validate.integer(level_steps, "level_steps", 1, unit="optimizer steps")
         levels = validate.integer(levels, "levels", 1)
         rewind_to = validate.integer(rewind_to, "rewind_to", 0, unit="optimizer steps")
-        if isinstance(prune_fraction, bool) or not 0.0 < float(prune_fraction) < 1.0:
+        prune_fraction = validate.real(prune_fraction, "prune_fraction")
+        if not 0.0 < prune_fraction < 1.0:
             raise ValueError(
                 f"prune_fraction={prune_fraction!r} must be in (0, 1): the share of the remaining "
                 "weights pruned per level, e.g. 0.2"
@@ -114,7 +115,7 @@ class IterativePruning(pl.Callback):
         if scope not in ("layer", "global"):
             raise ValueError(f"scope={scope!r} must be 'layer' or 'global'")
         self.level_steps, self.levels = level_steps, levels
-        self.prune_fraction, self.scope = float(prune_fraction), scope
+        self.prune_fraction, self.scope = prune_fraction, scope
         self.rewind_lr, self.rewind_to = rewind_lr, rewind_to
         self.reset_optimizer, self.monitor, self.verbose = reset_optimizer, monitor, verbose
         self.algorithm = GMP(

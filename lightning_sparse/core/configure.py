@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 
+from . import validate
 from .algorithms.base import SparsityAlgorithm
 from .algorithms.group import Group
 from .algorithms.registry import algorithm_class, available_algorithms
@@ -176,7 +177,7 @@ def _at(path: Path | None, key: str) -> Iterator[None]:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    return validate.is_number(value)
 
 
 def configure(

@@ -14,7 +14,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from .mask_ops import check_sparsity, topk_mask
+from . import validate
+from .mask_ops import topk_mask
 
 Distribution = Callable[..., dict[str, float]]
 """``(shapes: Mapping[str, torch.Size], sparsity: float, **kwargs) -> dict[str, float]``."""
@@ -30,7 +31,7 @@ def uniform(shapes: Mapping[str, torch.Size], sparsity: float) -> dict[str, floa
     Returns:
         Name -> sparsity, in ``shapes``' order.
     """
-    sparsity = check_sparsity(sparsity, "uniform sparsity")
+    sparsity = validate.sparsity(sparsity, "uniform sparsity")
     return {name: sparsity for name in shapes}
 
 
@@ -86,7 +87,7 @@ def er(
     Returns:
         Name -> sparsity; layers that would exceed density 1 get 0.0 (dense).
     """
-    return _erdos_renyi(shapes, check_sparsity(sparsity, "er sparsity"), power_scale, dims=2)
+    return _erdos_renyi(shapes, validate.sparsity(sparsity, "er sparsity"), power_scale, dims=2)
 
 
 def erk(
@@ -105,7 +106,7 @@ def erk(
     Returns:
         Name -> sparsity; layers that would exceed density 1 get 0.0 (dense).
     """
-    return _erdos_renyi(shapes, check_sparsity(sparsity, "erk sparsity"), power_scale, dims=None)
+    return _erdos_renyi(shapes, validate.sparsity(sparsity, "erk sparsity"), power_scale, dims=None)
 
 
 def global_magnitude(weights: Mapping[str, Tensor], sparsity: float) -> dict[str, Tensor]:
@@ -121,7 +122,7 @@ def global_magnitude(weights: Mapping[str, Tensor], sparsity: float) -> dict[str
     Returns:
         Name -> bool mask of that weight's shape; exactly ``int((1 - s) * total)`` True in all.
     """
-    sparsity = check_sparsity(sparsity, "global_magnitude sparsity")
+    sparsity = validate.sparsity(sparsity, "global_magnitude sparsity")
     if not weights:
         return {}
     flat = torch.cat([w.detach().abs().reshape(-1) for w in weights.values()])

@@ -3,7 +3,9 @@
 A filter is a callable ``(name, param) -> bool`` over the full dotted parameter name. The default
 follows Cerebras' ``default_sparse_param_filter`` and also decides by module type, so models that
 name things differently (Hugging Face ``embed_tokens`` / ``lm_head``, tied embeddings) come out
-right: weights with ``ndim >= 2`` that are not embeddings, normalisation or an output head.
+right: weights with ``ndim >= 2`` that are not embeddings, normalisation or an output head, and
+never the adapters PEFT adds (:func:`adapter_parameter_ids`: LoRA A/B, DoRA magnitudes,
+``modules_to_save`` copies, other tuners' parameters).
 
 Output heads are found by structure where possible (:func:`output_head_ids`: the module a Hugging
 Face model's ``get_output_embeddings()`` returns; its last projection when that projects to
@@ -15,9 +17,11 @@ and BERT's pooler, which feeds only the classifier).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
-from collections.abc import Callable, Iterable, Sequence
+import sys
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -26,11 +30,16 @@ from .layouts import is_hf_conv1d
 
 __all__ = [
     "ParamFilter",
+    "adapter_parameter_ids",
+    "dense_by_default_ids",
+    "frozen_left_dense",
+    "PatternFilter",
     "default_sparse_param_filter",
     "glob_filter",
     "make_param_filter",
     "output_head_ids",
     "regex_filter",
+    "unselected_patterns",
 ]
 
 ParamFilter = Callable[[str, torch.Tensor], bool]
@@ -107,36 +116,182 @@ def output_head_ids(root: nn.Module) -> set[int]:
     return ids
 
 
-def glob_filter(patterns: str | Sequence[str]) -> ParamFilter:
+def adapter_parameter_ids(root: nn.Module) -> set[int]:
+    """``id``s of the parameters PEFT adds to ``root``: never selected by the default filter.
+
+    PEFT (``get_peft_model``) wraps layers in tuner layers (`peft.tuners.tuners_utils.
+    BaseTunerLayer`: LoRA, DoRA, AdaLoRA, LoHa, LoKr, IA3, OFT, VeRA, ...) that list their adapter
+    parameters' attributes in ``adapter_layer_names`` (LoRA: ``lora_A``, ``lora_B``,
+    ``lora_embedding_A``, ``lora_embedding_B``; DoRA adds ``lora_magnitude_vector``) and
+    ``other_param_names``, and wraps ``modules_to_save`` in an ``AuxiliaryTrainingWrapper`` whose
+    trainable copies sit under ``modules_to_save``; prompt-learning models keep theirs under
+    ``prompt_encoder``. All of these are adapters; the base weights (``base_layer``,
+    ``original_module``) are not. Found by class (peft's own base classes, by name, so nothing
+    imports peft: a model can only hold peft modules once peft is imported).
+    """
+    if "peft" not in sys.modules:
+        return set()
+    ids: set[int] = set()
+    for module in root.modules():
+        if _is_peft_layer(module):
+            attrs = vars(module).get("adapter_layer_names") or type(module).adapter_layer_names
+            other = getattr(type(module), "other_param_names", ())
+            for attr in (*attrs, *other):
+                ids.update(id(p) for p in _parameters_under(module, attr))
+        prompt = module._modules.get("prompt_encoder")
+        if prompt is not None and type(module).__module__.startswith("peft."):
+            ids.update(id(p) for p in prompt.parameters())
+    return ids
+
+
+_PEFT_BASES = ("BaseTunerLayer", "AuxiliaryTrainingWrapper")
+
+
+def _is_peft_layer(module: nn.Module) -> bool:
+    return any(
+        cls.__name__ in _PEFT_BASES and cls.__module__.startswith("peft.")
+        for cls in type(module).__mro__
+    )
+
+
+def _parameters_under(module: nn.Module, attr: str) -> list[nn.Parameter]:
+    """The parameter ``module.<attr>``, or those of the submodule there (read from the registries,
+    not ``getattr``: peft's wrappers forward unknown attributes to the wrapped module)."""
+    if attr in module._parameters and module._parameters[attr] is not None:
+        return [module._parameters[attr]]  # type: ignore[list-item]
+    sub = module._modules.get(attr)
+    return list(sub.parameters()) if sub is not None else []
+
+
+def dense_by_default_ids(root: nn.Module) -> set[int]:
+    """``id``s the default filter never selects: output heads (`output_head_ids`) and PEFT
+    adapters (`adapter_parameter_ids`)."""
+    return output_head_ids(root) | adapter_parameter_ids(root)
+
+
+def frozen_left_dense(owner: str, frozen: Sequence[str]) -> str:
+    """The warning for parameters the default filter left dense because they are frozen: their
+    names (the first three and a count) and how to select them (``*base_layer.weight`` for the
+    base weights a PEFT model wraps)."""
+    shown = ", ".join(repr(name) for name in frozen[:3])
+    if len(frozen) > 3:
+        shown += f" and {len(frozen) - 3} more"
+    if any(".base_layer." in name for name in frozen):
+        example = '"*base_layer.weight" (the base weights PEFT wraps)'
+    else:
+        example = f"{frozen[0]!r} or a glob matching them"
+    return (
+        f"{owner}: the default filter left {len(frozen)} frozen parameter(s) dense: {shown}; it "
+        "sparsifies trainable weights only, and never PEFT adapters. To give frozen weights a "
+        f"fixed mask, select them with param_filter, e.g. param_filter={example}"
+    )
+
+
+class PatternFilter:
+    """A filter from name patterns, any-match; it can tell which of its patterns match nothing.
+
+    Args:
+        key: the argument the patterns came from (``param_filter``, ``param_name_patterns``),
+            used in messages.
+        kind: ``"glob"`` (fnmatch, full match, ``*`` also matches ``.``) or ``"regex"``
+            (``re.search``).
+        patterns: the patterns, in order.
+    """
+
+    def __init__(self, key: str, kind: str, patterns: list[str]) -> None:
+        self.key, self.kind, self.patterns = key, kind, list(patterns)
+        if kind == "glob":  # translate escapes every regex character the glob does not use
+            self._tests = [re.compile(fnmatch.translate(p)).match for p in self.patterns]
+        else:
+            self._tests = [_compile_regex(p).search for p in self.patterns]
+        self.__qualname__ = f"{kind}_filter({self.patterns!r})"  # what loggers show
+
+    def __call__(self, name: str, param: torch.Tensor | None) -> bool:
+        return any(test(name) for test in self._tests)
+
+    def matches(self, pattern: str, names: Iterable[str]) -> list[str]:
+        """The names ``pattern`` (one of `patterns`) matches, in order."""
+        test = self._tests[self.patterns.index(pattern)]
+        return [name for name in names if test(name)]
+
+    def __repr__(self) -> str:
+        return self.__qualname__
+
+
+def glob_filter(patterns: str | Sequence[str]) -> PatternFilter:
     """Filter matching full names against fnmatch globs (``*`` also matches ``.``); any-match.
 
     Raises:
         TypeError: a pattern that is not a string, naming it.
     """
     patterns = _pattern_list("param_filter", patterns, "a glob such as 'fc*.weight'")
-    compiled = [re.compile(fnmatch.translate(p)) for p in patterns]  # translate escapes all
-
-    def matches(name: str, param: torch.Tensor) -> bool:
-        return any(c.match(name) for c in compiled)
-
-    matches.__qualname__ = f"glob_filter({list(patterns)!r})"
-    return matches
+    return PatternFilter("param_filter", "glob", patterns)
 
 
-def regex_filter(patterns: str | Sequence[str]) -> ParamFilter:
+def regex_filter(patterns: str | Sequence[str]) -> PatternFilter:
     """Filter for Cerebras 2.0/2.1 ``param_name_patterns``: ``re.search`` of any pattern.
 
     Raises:
         ValueError: a pattern that is not a Python regex, naming it, the regex error and the fix.
     """
     patterns = _pattern_list("param_name_patterns", patterns, "a regex such as '.*fc.*weight'")
-    compiled = [_compile_regex(p) for p in patterns]
+    return PatternFilter("param_name_patterns", "regex", patterns)
 
-    def matches(name: str, param: torch.Tensor) -> bool:
-        return any(c.search(name) for c in compiled)
 
-    matches.__qualname__ = f"regex_filter({list(patterns)!r})"
-    return matches
+def unselected_patterns(
+    owner: str,
+    param_filter: ParamFilter | None,
+    names: Sequence[str],
+    selected: Collection[str] | None = None,
+    taken_by: Mapping[str, str] | None = None,
+) -> list[str]:
+    """One message per pattern of ``param_filter`` that selects no parameter.
+
+    A pattern selects nothing when it matches none of ``names`` (the message names the closest
+    parameter name, for a typo such as ``*v_prj.weight``), or when every name it matches is
+    outside ``selected`` (in a `Group`: taken by an earlier member, named by ``taken_by``).
+    Filters that are not a `PatternFilter` (callables, the default) give no message.
+
+    Args:
+        owner: who applies the filter, e.g. ``"sparsity_rigl_0"``.
+        param_filter: the filter.
+        names: every candidate parameter name of the model.
+        selected: the names this filter's owner got (default: every name it matches).
+        taken_by: ``{name: who got it}`` for the names others got.
+    """
+    if not isinstance(param_filter, PatternFilter):
+        return []
+    messages = []
+    for pattern in param_filter.patterns:
+        matched = param_filter.matches(pattern, names)
+        what = f"{owner}: {param_filter.key} {param_filter.kind} {pattern!r}"
+        if not matched:
+            close = close_name(pattern, names)
+            hint = f" (closest parameter name: {close!r})" if close else ""
+            messages.append(
+                f"{what} matches no parameter{hint}; check it against model.named_parameters()"
+            )
+        elif selected is not None and not set(matched) & set(selected):
+            owners = sorted({(taken_by or {}).get(n, "another filter") for n in matched})
+            messages.append(
+                f"{what} selects nothing: the {len(matched)} parameter(s) it matches (first: "
+                f"{matched[0]!r}) go to {', '.join(owners)}, listed earlier (the first matching "
+                "filter wins); put this pattern first or narrow the earlier one"
+            )
+    return messages
+
+
+def close_name(pattern: str, names: Iterable[str]) -> str | None:
+    """The parameter name whose dotted tail is closest to ``pattern`` without its wildcards
+    (``difflib``), or ``None`` when nothing is close."""
+    literal = pattern.replace("*", "").replace("?", "").strip(".")
+    tails: dict[str, str] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            tails.setdefault(".".join(parts[i:]), name)
+    found = difflib.get_close_matches(literal, list(tails), n=1, cutoff=0.6)
+    return tails[found[0]] if found else None
 
 
 def _pattern_list(key: str, patterns: object, example: str) -> list[str]:

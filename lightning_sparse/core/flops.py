@@ -24,17 +24,20 @@ CS-2). Attention logits, softmax and values have no weights and embedding lookup
 those terms stay dense. ``kept = int((1 - sparsity) * numel)``, the count a mask keeps.
 
 Two entry points share one report: :func:`transformer_flops` (arithmetic from a config) and
-:func:`model_flops` (walks an ``nn.Module``, also one on the ``meta`` device).
+:func:`model_flops` (walks an ``nn.Module``, also one on the ``meta`` device). The report, the
+formulas (``2 * tokens * kept`` per matmul, training ``3 x`` forward) and the run's account are
+`flop_account`'s, the one place every FLOP figure of the package comes from.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
+from . import validate
+from .flop_account import FlopReport, check_count, report_from_matrices
 from .layouts import is_hf_conv1d
 from .sparse_parameter import mask_buffer_name
 
@@ -42,6 +45,7 @@ __all__ = [
     "ConvPositionRecorder",
     "FlopReport",
     "MATRIX_KINDS",
+    "batch_shape",
     "conv_output_positions",
     "model_flops",
     "transformer_flops",
@@ -51,132 +55,6 @@ MATRIX_KINDS = ("qkv", "attn_out", "ffn", "embedding", "head")
 """Keys of a per-kind ``sparsity`` mapping in :func:`transformer_flops`."""
 
 _BLOCK_KINDS = ("qkv", "attn_out", "ffn")
-
-
-@dataclass(frozen=True)
-class FlopReport:
-    """FLOPs and parameters of one model, sparse and dense; everything else is derived.
-
-    Attributes:
-        seq_len: tokens per sequence.
-        forward_flops_per_token: sparse forward FLOPs per token.
-        dense_forward_flops_per_token: the same model with every weight kept.
-        params: parameter count (the dense model's count).
-        nonzero_params: parameters kept by the masks.
-        dense_grad_flops_per_token: extra FLOPs per token of one dense weight-gradient pass over
-            the sparse matrices, ``sum 2 * (numel - kept)``. RigL ("Rigging the Lottery: Making All
-            Tickets Winners", Evci et al., 2020, arXiv:1911.11134) needs it on mask-update steps
-            to score the pruned connections; the input gradient and forward stay sparse, so this
-            is the only extra cost assumed.
-    """
-
-    seq_len: int
-    forward_flops_per_token: int
-    dense_forward_flops_per_token: int
-    params: int
-    nonzero_params: int
-    dense_grad_flops_per_token: int
-
-    @property
-    def forward_flops(self) -> int:
-        """Sparse forward FLOPs per sequence."""
-        return self.forward_flops_per_token * self.seq_len
-
-    @property
-    def dense_forward_flops(self) -> int:
-        """Dense forward FLOPs per sequence."""
-        return self.dense_forward_flops_per_token * self.seq_len
-
-    @property
-    def training_flops(self) -> int:
-        """Sparse training FLOPs per sequence: forward plus a backward of twice the forward."""
-        return 3 * self.forward_flops
-
-    @property
-    def dense_training_flops(self) -> int:
-        """Dense training FLOPs per sequence."""
-        return 3 * self.dense_forward_flops
-
-    @property
-    def inference_flops(self) -> int:
-        """Sparse inference FLOPs per sequence: one forward over all of it (no KV cache)."""
-        return self.forward_flops
-
-    @property
-    def dense_inference_flops(self) -> int:
-        """Dense inference FLOPs per sequence."""
-        return self.dense_forward_flops
-
-    @property
-    def inference_reduction(self) -> float:
-        """Dense over sparse inference FLOPs (``3.0`` means three times fewer)."""
-        return self.dense_forward_flops_per_token / self.forward_flops_per_token
-
-    @property
-    def param_reduction(self) -> float:
-        """All parameters over kept parameters."""
-        return self.params / self.nonzero_params
-
-    def extra_dense_grad_flops(self, n_updates: int, batch_size: int = 1) -> int:
-        """Extra FLOPs of dense weight gradients on mask-update steps.
-
-        Args:
-            n_updates: steps that compute dense weight gradients.
-            batch_size: sequences per step.
-
-        Returns:
-            ``n_updates * batch_size * seq_len * dense_grad_flops_per_token``.
-        """
-        _check_count("n_updates", n_updates, minimum=0)
-        _check_count("batch_size", batch_size)
-        return n_updates * batch_size * self.seq_len * self.dense_grad_flops_per_token
-
-    def total_training_flops(
-        self, tokens: int, dense_gradient_steps: int = 0, batch_size: int = 1
-    ) -> int:
-        """Training FLOPs over ``tokens`` tokens, plus dense gradients on some steps.
-
-        Args:
-            tokens: tokens trained on.
-            dense_gradient_steps: steps that also compute dense weight gradients (RigL's mask
-                updates; 0 for static sparsity, SET, GMP).
-            batch_size: sequences per such step.
-
-        Returns:
-            ``3 * forward_flops_per_token * tokens`` plus :meth:`extra_dense_grad_flops`.
-        """
-        _check_count("tokens", tokens, minimum=0)
-        extra = self.extra_dense_grad_flops(dense_gradient_steps, batch_size)
-        return 3 * self.forward_flops_per_token * tokens + extra
-
-    def as_dict(self) -> dict[str, float]:
-        """Fields and derived figures, for loggers."""
-        derived = (
-            "forward_flops",
-            "dense_forward_flops",
-            "training_flops",
-            "dense_training_flops",
-            "inference_flops",
-            "dense_inference_flops",
-            "inference_reduction",
-            "param_reduction",
-        )
-        return {**asdict(self), **{name: getattr(self, name) for name in derived}}
-
-    def __str__(self) -> str:
-        rows = [
-            ("params", self.nonzero_params, self.params),
-            (
-                "forward FLOPs / token",
-                self.forward_flops_per_token,
-                self.dense_forward_flops_per_token,
-            ),
-            ("inference FLOPs / sequence", self.inference_flops, self.dense_inference_flops),
-            ("training FLOPs / sequence", self.training_flops, self.dense_training_flops),
-        ]
-        lines = [f"{'':28}{'sparse':>12}{'dense':>12}{'dense/sparse':>14}"]
-        lines += [f"{name:28}{s:>12.3e}{d:>12.3e}{d / s:>13.2f}x" for name, s, d in rows]
-        return "\n".join(lines)
 
 
 def transformer_flops(
@@ -223,24 +101,20 @@ def transformer_flops(
         The :class:`FlopReport`.
 
     Raises:
-        ValueError: a size that is not a positive integer, ``d_model`` not divisible by
-            ``n_heads``, an unknown ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
+        TypeError: a size that is not an int, a sparsity that is not a number.
+        ValueError: a size below 1, ``d_model`` not divisible by ``n_heads``, an unknown
+            ``ffn_kind`` or sparsity key, a sparsity outside ``[0, 1)``.
     """
-    for name, value in (
-        ("n_layers", n_layers),
-        ("d_model", d_model),
-        ("n_heads", n_heads),
-        ("seq_len", seq_len),
-        ("vocab_size", vocab_size),
-    ):
-        _check_count(name, value)
-    _check_count("n_positions", n_positions, minimum=0)
+    n_layers, d_model = check_count("n_layers", n_layers), check_count("d_model", d_model)
+    n_heads, seq_len = check_count("n_heads", n_heads), check_count("seq_len", seq_len)
+    vocab_size = check_count("vocab_size", vocab_size)
+    n_positions = check_count("n_positions", n_positions, minimum=0)
     if d_model % n_heads:
         raise ValueError(
             f"d_model={d_model} is not divisible by n_heads={n_heads}; the head size "
             "d_model / n_heads must be whole: change one of them."
         )
-    ffw = 4 * d_model if ffn_hidden is None else _check_count("ffn_hidden", ffn_hidden)
+    ffw = 4 * d_model if ffn_hidden is None else check_count("ffn_hidden", ffn_hidden)
     if ffn_kind not in ("gelu", "swiglu"):
         raise ValueError(
             f"ffn_kind={ffn_kind!r} is unknown; pass 'gelu' (two feed-forward "
@@ -265,7 +139,7 @@ def transformer_flops(
     if not tie_embeddings:
         params += vocab * d
         nonzero += head_kept
-    return _report(seq_len, matrices, other, params, nonzero)
+    return report_from_matrices(seq_len, matrices, other, params, nonzero)
 
 
 def model_flops(
@@ -325,7 +199,7 @@ def model_flops(
             ``sparsity``, a mask on the meta device without a ``sparsity`` entry, a missing head,
             a ``conv_positions`` name that is not an ``nn.Conv2d``.
     """
-    _check_count("seq_len", seq_len)
+    check_count("seq_len", seq_len)
     kept = _kept_by_param(model, sparsity or {})
 
     matrices: list[tuple[int, int]] = []
@@ -343,7 +217,7 @@ def model_flops(
                 f"conv_positions names {name!r}, which is not an nn.Conv2d of the model; use "
                 "Conv2d module names from model.named_modules() (conv_output_positions does)."
             )
-        _check_count(f"conv_positions[{name!r}]", value)
+        check_count(f"conv_positions[{name!r}]", value)
     for name, module in modules.items():
         linear = isinstance(module, nn.Linear) or is_hf_conv1d(module)
         if linear and (include_logits or name != head):
@@ -363,12 +237,12 @@ def model_flops(
                     f"{name} is missing; attention terms need n_layers, d_model and "
                     "n_heads together: pass all three, or none to leave them out."
                 )
-            _check_count(name, value)
+            check_count(name, value)
         other += n_layers * (4 * seq_len * d_model + 3 * n_heads * seq_len)
 
     params = list(model.parameters())
     nonzero = sum(kept.get(id(p), p.numel()) for p in params)
-    return _report(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
+    return report_from_matrices(seq_len, matrices, other, sum(p.numel() for p in params), nonzero)
 
 
 class ConvPositionRecorder:
@@ -438,20 +312,6 @@ def conv_output_positions(model: nn.Module, *inputs: object) -> dict[str, int]:
     return recorder.positions
 
 
-def _report(
-    seq_len: int, matrices: list[tuple[int, int]], other: int, params: int, nonzero: int
-) -> FlopReport:
-    """Assemble a report from ``(numel, kept)`` weight matrices and weight-free FLOPs per token."""
-    return FlopReport(
-        seq_len=seq_len,
-        forward_flops_per_token=sum(2 * k for _, k in matrices) + other,
-        dense_forward_flops_per_token=sum(2 * n for n, _ in matrices) + other,
-        params=params,
-        nonzero_params=nonzero,
-        dense_grad_flops_per_token=sum(2 * (n - k) for n, k in matrices),
-    )
-
-
 def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int, int]:
     """Kept weights of each parameter with a ``sparsity`` entry or a mask, keyed by ``id(param)``.
 
@@ -505,16 +365,4 @@ def _kept(numel: int, sparsity: float) -> int:
 
 
 def _check_sparsity(name: str, value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0.0 <= value < 1.0:
-        raise ValueError(
-            f"sparsity of {name!r} is {value!r}; sparsity is the fraction of zeros "
-            "and must lie in [0, 1): pass e.g. 0.9 to drop 90% of the weights."
-        )
-    return float(value)
-
-
-def _check_count(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name}={value!r} must be {kind}; pass the model's actual {name}.")
-    return value
+    return validate.sparsity(value, where=name)

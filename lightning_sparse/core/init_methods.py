@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .mask_ops import check_sparsity, topk_mask
+from . import validate
+from .mask_ops import topk_mask
 from .shapers import Blocks, Shaper, Unstructured
 
 InitMethod = Callable[..., Tensor]
@@ -27,7 +28,7 @@ def _keep_top(score: Tensor, sparsity: float, shaper: Shaper | None) -> Tensor:
     """Keep the top ``keep_per_row`` of ``score`` (shaped like the parameter) in each row."""
     shaper = shaper or Unstructured()
     rows = shaper.shape(score)
-    k = shaper.keep_per_row(check_sparsity(sparsity, "init sparsity"), rows.shape[-1])
+    k = shaper.keep_per_row(validate.sparsity(sparsity, "init sparsity"), rows.shape[-1])
     return shaper.unshape(topk_mask(rows, k), score.shape)
 
 
@@ -124,7 +125,7 @@ def checkerboard(
     if p.numel() == 0:
         return torch.zeros_like(p, dtype=torch.bool)
     row_len = shaper.shape(torch.empty(p.shape, device="meta")).shape[-1]
-    keep = shaper.keep_per_row(check_sparsity(sparsity, "init sparsity"), row_len)
+    keep = shaper.keep_per_row(validate.sparsity(sparsity, "init sparsity"), row_len)
     if isinstance(shaper, Blocks):
         grid = (p.shape[0] // shaper.h, p.shape[1] // shaper.w)
     else:

@@ -17,7 +17,6 @@ on the CPU. Other devices and short or many rows keep the sync-free ``torch.topk
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import Tensor
@@ -26,28 +25,6 @@ _INF = float("inf")
 # Rows at least this long, on the CPU, take the sampled selection (tests lower it to 1).
 HOST_SELECT_MIN = 1 << 14
 _SAMPLE = 4096  # about this many sampled scores bound the threshold
-
-
-def check_sparsity(sparsity: float, owner: str = "sparsity") -> float:
-    """Return ``sparsity`` as a float after checking it is a number in ``[0, 1)``.
-
-    Args:
-        sparsity: Fraction of zeros.
-        owner: What to name in the error, e.g. ``"erk sparsity"``.
-
-    Raises:
-        ValueError: If ``sparsity`` is not a real number in ``[0, 1)``.
-    """
-    if (
-        isinstance(sparsity, bool)
-        or not isinstance(sparsity, numbers.Real)
-        or not math.isfinite(sparsity)
-        or not 0.0 <= sparsity < 1.0
-    ):
-        raise ValueError(
-            f"{owner} must be a float in [0, 1) (the fraction of zeros), got {sparsity!r}"
-        )
-    return float(sparsity)
 
 
 def _check_int(name: str, value: int, low: int, high: int) -> None:

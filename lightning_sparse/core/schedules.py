@@ -1,4 +1,5 @@
-"""Schedules: hyper-parameters as ``step -> float`` and mask-update cadences as ``step -> bool``.
+"""Schedules: hyper-parameters as ``step -> float`` (mask-update cadences, ``step -> bool``, are in
+`cadences` and re-exported here).
 
 Everything here is host-side Python arithmetic on an ``int`` step (completed optimizer steps), so
 evaluating a schedule never creates a tensor or forces a host sync. The classes and their dict
@@ -10,51 +11,50 @@ form (``{"type": "cosine", "init": 0.3, "half_period": 3584}``) follow Cerebras
 
 from __future__ import annotations
 
-import bisect
 import inspect
 import math
-import numbers
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from . import validate
+from .cadences import (  # noqa: F401  (re-exported: the cadences' home before `cadences`)
+    CallableSchedule,
+    FreqSchedule,
+    ListSchedule,
+    NeverSchedule,
+    UpdateSchedule,
+    _callable_name,
+    _int,
+    _repr_from_init,
+    make_update_schedule,
+)
+
 
 def _real(owner: str, name: str, value: object) -> float:
-    """Return ``value`` as a float, or raise naming ``owner``'s argument ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{owner} {name} must be a real number, got {value!r} ({type(value).__name__}); "
-            f"pass a float such as 0.5"
-        )
-    if not math.isfinite(value):
-        raise ValueError(f"{owner} {name} must be finite, got {value!r}; pass a finite float")
-    return float(value)
+    return validate.real(value, name, owner=owner)
 
 
-def _int(owner: str, name: str, value: object, minimum: int) -> int:
-    """Return ``value`` if it is an int >= ``minimum``, else raise naming the argument."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(
-            f"{owner} {name} must be an int (a step count), got {value!r} "
-            f"({type(value).__name__}); pass a whole number of steps"
-        )
-    if value < minimum:
-        raise ValueError(
-            f"{owner} {name} must be >= {minimum}, got {value!r}; pass an int >= {minimum}"
-        )
-    return int(value)
+_LOG_MAX = math.log(sys.float_info.max)  # exp(x) overflows a float beyond this x
 
 
-def _repr_from_init(obj: object) -> str:
-    """``Name(arg=value, ...)`` from the constructor's argument names stored on ``obj``."""
-    names = inspect.signature(type(obj).__init__).parameters
-    args = ", ".join(f"{n}={getattr(obj, n)!r}" for n in names if hasattr(obj, n))
-    return f"{type(obj).__name__}({args})"
+def _last_finite(power: Callable[[int], float], estimate: float) -> int:
+    """The last step ``t`` at which ``power(t)`` does not overflow, near ``estimate`` (the
+    logarithm's answer, off by one either way from rounding)."""
 
+    def finite(t: int) -> bool:
+        try:
+            return math.isfinite(power(t))
+        except OverflowError:
+            return False
 
-def _callable_name(fn: Callable[..., Any]) -> str:
-    """``module.qualname`` of ``fn``: a repr without a memory address."""
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    t = math.floor(estimate)
+    while t > 0 and not finite(t):
+        t -= 1
+    while finite(t + 1):
+        t += 1
+    return t
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,6 +77,11 @@ class HyperParameterSchedule(ABC):
     def milestones(self) -> tuple[int, ...]:
         """Steps where the value reaches a final level and an update must happen (GMP ramps)."""
         return ()
+
+    def defined_until(self) -> int | None:
+        """The last step at which the formula can be computed in floating point (``None``: every
+        step); past it the schedule overflows (`Exp`, `Power` growing without bound)."""
+        return None
 
     def __repr__(self) -> str:
         return _repr_from_init(self)
@@ -113,6 +118,12 @@ class Exp(HyperParameterSchedule):
     def __call__(self, step: int) -> float:
         return self.final - (self.final - self.init) * math.exp(self.gamma * step)
 
+    def defined_until(self) -> int | None:
+        """``exp(gamma * t)`` overflows once ``gamma * t > log(float max)`` (gamma > 0)."""
+        if self.gamma <= 0:
+            return None
+        return _last_finite(lambda t: math.exp(self.gamma * t), _LOG_MAX / self.gamma)
+
 
 class Power(HyperParameterSchedule):
     """``y(t) = init * beta ** t``."""
@@ -123,6 +134,12 @@ class Power(HyperParameterSchedule):
 
     def __call__(self, step: int) -> float:
         return self.init * self.beta**step
+
+    def defined_until(self) -> int | None:
+        """``beta ** t`` overflows once ``t * log|beta| > log(float max)`` (``|beta| > 1``)."""
+        if abs(self.beta) <= 1:
+            return None
+        return _last_finite(lambda t: self.beta**t, _LOG_MAX / math.log(abs(self.beta)))
 
 
 class Cosine(HyperParameterSchedule):
@@ -291,7 +308,7 @@ def make_hyperparam_schedule(value: Any) -> HyperParameterSchedule:
     """
     if isinstance(value, HyperParameterSchedule):
         return value
-    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    if validate.is_number(value):
         return Constant(value)
     if isinstance(value, (list, tuple)):
         return Cycling(list(value))
@@ -303,164 +320,6 @@ def make_hyperparam_schedule(value: Any) -> HyperParameterSchedule:
         f"cannot build a hyper-parameter schedule from {value!r} ({type(value).__name__}); "
         f"pass a number, a list of numbers, a dict with 'type', a callable step -> float, or a "
         f"HyperParameterSchedule instance"
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# Update cadences: step -> bool (is this a mask-update step?)
-# --------------------------------------------------------------------------------------------
-
-
-class UpdateSchedule(ABC):
-    """When masks are recomputed: ``schedule(step)`` is True on update steps."""
-
-    @abstractmethod
-    def __call__(self, step: int) -> bool:
-        """Return whether masks are updated at ``step`` (completed optimizer steps)."""
-
-    def count(self, step: int) -> int:
-        """Number of update steps in ``[0, step)`` (the generic form walks the steps)."""
-        return sum(1 for s in range(step) if self(s))
-
-    def last(self) -> int | None:
-        """The last step that can be an update step, or ``None`` when updates never end."""
-        return None
-
-    def __repr__(self) -> str:
-        return _repr_from_init(self)
-
-
-class FreqSchedule(UpdateSchedule):
-    """Every ``freq`` steps from ``start`` up to, not including, ``stop``.
-
-    ``update(t) = t >= start and (t - start) % freq == 0 and (stop is None or t < stop)``.
-    """
-
-    def __init__(self, freq: int = 1, start: int = 0, stop: int | None = None) -> None:
-        freq = _int("FreqSchedule", "freq", freq, 1)
-        start = _int("FreqSchedule", "start", start, 0)
-        if stop is not None:
-            stop = _int("FreqSchedule", "stop", stop, 0)
-            if stop <= start:
-                raise ValueError(
-                    f"FreqSchedule stop must be > start (stop is exclusive), got start={start!r}, "
-                    f"stop={stop!r}; pass stop=None to update until the end of training"
-                )
-        self.freq, self.start, self.stop = freq, start, stop
-
-    def __call__(self, step: int) -> bool:
-        in_range = step >= self.start and (self.stop is None or step < self.stop)
-        return in_range and (step - self.start) % self.freq == 0
-
-    def count(self, step: int) -> int:
-        end = step if self.stop is None else min(step, self.stop)
-        return max(0, -(-(end - self.start) // self.freq))
-
-    def last(self) -> int | None:
-        return None if self.stop is None else self.stop - 1
-
-
-class ListSchedule(UpdateSchedule):
-    """At exactly the listed steps: ``update(t) = t in steps``."""
-
-    def __init__(self, steps: Iterable[int]) -> None:
-        if isinstance(steps, (str, bytes)) or not isinstance(steps, Iterable):
-            raise TypeError(f"ListSchedule steps must be a list of ints, got {steps!r}")
-        checked = [_int("ListSchedule", f"steps[{i}]", s, 0) for i, s in enumerate(steps)]
-        if not checked:
-            raise ValueError("ListSchedule steps must be non-empty, got []; pass at least one step")
-        self.steps = tuple(sorted(set(checked)))
-        self._lookup = frozenset(self.steps)
-
-    def __call__(self, step: int) -> bool:
-        return step in self._lookup
-
-    def count(self, step: int) -> int:
-        return bisect.bisect_left(self.steps, step)
-
-    def last(self) -> int | None:
-        return self.steps[-1]
-
-
-class NeverSchedule(UpdateSchedule):
-    """No update step at all (``Static``)."""
-
-    def __call__(self, step: int) -> bool:
-        return False
-
-    def count(self, step: int) -> int:
-        return 0
-
-    def last(self) -> int | None:
-        return 0
-
-
-class CallableSchedule(UpdateSchedule):
-    """``update(t) = bool(fn(t))``; ``fn`` should return a Python bool (a tensor would sync)."""
-
-    def __init__(self, fn: Callable[[int], bool]) -> None:
-        if not callable(fn):
-            raise TypeError(f"CallableSchedule fn must be callable step -> bool, got {fn!r}")
-        self.fn = fn
-
-    def __call__(self, step: int) -> bool:
-        return bool(self.fn(step))
-
-    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
-        return f"CallableSchedule(fn={_callable_name(self.fn)})"
-
-
-_UPDATE_FORMS = (
-    "None (every step), an int n (every n steps), {'freq': n, 'start': a, 'stop': b}, "
-    "{'steps': [...]}, a list of ints, a callable step -> bool, or an UpdateSchedule"
-)
-
-
-def make_update_schedule(update: Any) -> UpdateSchedule:
-    """Build an update cadence from any of its accepted forms.
-
-    Args:
-        update: an ``UpdateSchedule`` (returned as is); ``None`` (every step); an int ``n``
-            (``FreqSchedule(n)``, the 2.0/2.1 ``schedule:`` form); a dict with ``freq`` and
-            optional ``start``/``stop`` (``FreqSchedule``); a dict with ``steps`` or a list/tuple
-            of ints (``ListSchedule``); or a callable ``step -> bool`` (``CallableSchedule``).
-
-    Returns:
-        The update schedule.
-
-    Raises:
-        ValueError: for an unsupported form, an unknown dict key or an out-of-range argument.
-        TypeError: for a non-integer step argument.
-    """
-    if isinstance(update, UpdateSchedule):
-        return update
-    if update is None:
-        return FreqSchedule(1)
-    if isinstance(update, numbers.Integral) and not isinstance(update, bool):
-        return FreqSchedule(update)
-    if isinstance(update, dict):
-        accepted = {"steps"} if "steps" in update else {"freq", "start", "stop"}
-        for key in update:
-            if key not in accepted:
-                raise ValueError(
-                    f"unknown update key {key!r} in {update!r}; a dict takes "
-                    f"{sorted(accepted)} (accepted forms: {_UPDATE_FORMS})"
-                )
-        if "steps" in update:
-            return ListSchedule(update["steps"])
-        if "freq" not in update:
-            raise ValueError(
-                f"update dict {update!r} needs 'freq' or 'steps'; "
-                f"write e.g. {{'freq': 100, 'stop': 3584}}"
-            )
-        return FreqSchedule(**update)
-    if isinstance(update, (list, tuple)):
-        return ListSchedule(update)
-    if callable(update) and not isinstance(update, type):
-        return CallableSchedule(update)
-    raise ValueError(
-        f"cannot build an update schedule from {update!r} ({type(update).__name__}); "
-        f"accepted forms: {_UPDATE_FORMS}"
     )
 
 
@@ -491,7 +350,8 @@ def evaluate(schedule: HyperParameterSchedule, step: int, what: str) -> float:
     except (OverflowError, ZeroDivisionError, ValueError, TypeError) as err:
         raise ValueError(
             f"{what} schedule {schedule!r} fails at step {step} ({type(err).__name__}: {err}); "
-            "choose parameters that stay finite over the whole run (e.g. a smaller |gamma|)"
+            "choose parameters that stay finite over the whole run (Exp: gamma < 0 decays "
+            "towards final; a smaller gamma or |beta| overflows later)"
         ) from None
     if not math.isfinite(value):
         raise ValueError(
@@ -501,25 +361,18 @@ def evaluate(schedule: HyperParameterSchedule, step: int, what: str) -> float:
     return value
 
 
-def check_sparsity_value(value: float, step: int, schedule: object, where: str = "") -> None:
-    """Raise unless a scheduled sparsity is in [0, 1): naming value, step, rule and fix."""
-    if not 0.0 <= value < 1.0:
-        suffix = f" for {where!r}" if where else ""
-        raise ValueError(
-            f"sparsity schedule {schedule!r} gives {value:g} at step {step}{suffix}; sparsity "
-            "must stay in [0, 1) over the whole run (1.0 would prune every weight): lower its "
-            "final value or end it before it leaves the range"
-        )
-
-
-def check_drop_fraction_value(value: float, step: int, schedule: object) -> None:
-    """Raise unless a scheduled drop fraction is in [0, 1]."""
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(
-            f"drop_fraction schedule {schedule!r} gives {value:g} at step {step}; it is the "
-            "share of active weights replaced per update, so it must stay in [0, 1] (the RigL "
-            "paper uses 0.3 decayed by a cosine)"
-        )
+def first_undefined_use(
+    schedule: HyperParameterSchedule, cadence: UpdateSchedule, extra: Iterable[int] = ()
+) -> int | None:
+    """The first step at which ``schedule`` would be used (an update step of ``cadence``, or one
+    of ``extra``) past its `~HyperParameterSchedule.defined_until`, however long the run is;
+    ``None`` when it is never used there. Such a schedule fails at that step in any run that
+    reaches it, so algorithms refuse it when built (an ``Exp`` whose gamma overflows)."""
+    limit = schedule.defined_until()
+    if limit is None:
+        return None
+    uses = [s for s in (cadence.next_update(limit + 1), *extra) if s is not None and s > limit]
+    return min(uses, default=None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,22 +383,29 @@ ScheduleSpec = float | list | dict | Callable[[int], float] | HyperParameterSche
 UpdateSpec = int | list | dict | Callable[[int], bool] | UpdateSchedule | None
 
 
-def validate_sparsity(value: object, where: str = "") -> float:
-    """One sparsity level: a real number in [0, 1), else an error naming value, rule and fix."""
-    suffix = f" for {where!r}" if where else ""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"sparsity={value!r}{suffix} must be a float in [0, 1), e.g. 0.8")
-    if not 0.0 <= float(value) < 1.0:
-        raise ValueError(
-            f"sparsity={value!r}{suffix} must be in [0, 1): it is the fraction of zeros, so 0.8 "
-            "keeps 20% of the weights"
-        )
-    return float(value)
+def _scalar_like(value: object) -> bool:
+    return value is None or isinstance(value, str | bytes | bool)
 
 
 def bind(
-    schedule: ScheduleSpec, cadence: UpdateSchedule, count_zero: bool
+    schedule: ScheduleSpec,
+    cadence: UpdateSchedule,
+    count_zero: bool,
+    check: Callable[..., float] | None = None,
 ) -> HyperParameterSchedule:
-    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates."""
+    """A schedule from any accepted form; a `Cycling` one counts ``cadence``'s updates.
+
+    Args:
+        schedule: the spec (see `make_hyperparam_schedule`).
+        cadence: the algorithm's update cadence.
+        count_zero: whether step 0 counts as an update for `Cycling`.
+        check: the validator of the value's kind (`validate.sparsity`, `validate.drop_fraction`),
+            run on a number or each number of a list, so the error names the argument and its
+            range rather than the schedule class.
+    """
+    if check is not None and (validate.is_number(schedule) or _scalar_like(schedule)):
+        schedule = check(schedule)  # a bad scalar (str, bool, None) gets the kind's TypeError
+    elif check is not None and isinstance(schedule, list | tuple):
+        schedule = [check(v) if validate.is_number(v) else v for v in schedule]
     built = make_hyperparam_schedule(schedule)
     return built.bind(cadence, count_zero) if isinstance(built, Cycling) else built

@@ -19,10 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import validate
 
-def _positive(owner: str, name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{owner} {name} must be a positive int, got {value!r}")
+
+def _positive(shaper: Shaper, *names: str) -> None:
+    """Check each named field of a (frozen) shaper is an int >= 1; store it as a Python int."""
+    for name in names:
+        value = validate.integer(getattr(shaper, name), name, 1, owner=type(shaper).__name__)
+        object.__setattr__(shaper, name, value)
 
 
 class Shaper(ABC):
@@ -82,7 +86,7 @@ class OutputGroups(Shaper):
     groups: int
 
     def __post_init__(self) -> None:
-        _positive("OutputGroups", "groups", self.groups)
+        _positive(self, "groups")
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
         """Require ``numel`` divisible by ``groups``."""
@@ -112,7 +116,7 @@ class InputGroups(Shaper):
     groups: int
 
     def __post_init__(self) -> None:
-        _positive("InputGroups", "groups", self.groups)
+        _positive(self, "groups")
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
         """Require a 2-D shape with ``numel`` divisible by ``groups``."""
@@ -150,8 +154,8 @@ class NM(Shaper):
     m: int
 
     def __post_init__(self) -> None:
-        _positive("NM", "m", self.m)
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or not 1 <= self.n <= self.m:
+        _positive(self, "m", "n")
+        if self.n > self.m:
             raise ValueError(f"NM n must be an int in [1, m={self.m}], got {self.n!r}")
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
@@ -193,8 +197,7 @@ class Blocks(Shaper):
     w: int
 
     def __post_init__(self) -> None:
-        _positive("Blocks", "h", self.h)
-        _positive("Blocks", "w", self.w)
+        _positive(self, "h", "w")
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
         """Require a 2-D shape divisible by ``(h, w)``."""

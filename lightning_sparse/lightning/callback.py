@@ -20,7 +20,7 @@ from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
 from lightning_sparse.core.init_methods import INIT_METHODS
 from lightning_sparse.core.schedules import Constant
 
-__all__ = ["SparsityCallback", "sparsity_hparams", "update_metrics"]
+__all__ = ["SparsityCallback", "check_accelerator", "sparsity_hparams", "update_metrics"]
 
 HParam = str | int | float | bool | None
 
@@ -29,11 +29,13 @@ class SparsityCallback(pl.Callback):
     """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Sparsify the LightningModule (once) and check the schedules up to ``max_steps``.
+        """Sparsify the LightningModule (once) and check the schedules up to ``max_steps``; first
+        let the accelerator refuse the run (`check_accelerator`), so a refusal prunes nothing.
 
         Under ``ModelParallelStrategy`` (FSDP2) ``configure_model`` shards the parameters after
         this hook, so sparsity is applied at fit start instead, to the sharded parameters.
         """
+        check_accelerator(trainer)
         if trainer.max_steps and trainer.max_steps > 0:
             self.check_range(trainer.max_steps)
         if not _shards_in_configure_model(trainer):
@@ -162,6 +164,16 @@ def update_metrics(stats: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch
     for name, s in stats.items():
         out[f"layer/{name}"] = s["sparsity"].float()
     return out
+
+
+def check_accelerator(trainer: pl.Trainer) -> None:
+    """Let the accelerator refuse the run before anything is modified: one that defines
+    ``check_trainer(trainer)`` (the wafer-scale device: its precision and strategy) raises here,
+    before a mask exists. Lightning calls ``Accelerator.setup`` only after every callback's
+    ``setup``, too late for an all-or-nothing refusal. Duck-typed: the device is a layer above."""
+    check = getattr(trainer.accelerator, "check_trainer", None)
+    if callable(check):
+        check(trainer)
 
 
 def _shards_in_configure_model(trainer: pl.Trainer) -> bool:

@@ -24,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_sparse.core import validate
 from lightning_sparse.core.filters import ParamFilter
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.algorithms import GMP
@@ -86,7 +87,7 @@ class IterativePruning(pl.Callback):
         verbose: print the level table at the end of ``fit``.
 
     Raises:
-        ValueError: for an argument outside its range, naming it.
+        TypeError / ValueError: for an argument of the wrong type or outside its range, naming it.
     """
 
     def __init__(
@@ -102,14 +103,11 @@ class IterativePruning(pl.Callback):
         monitor: str = "val/loss",
         verbose: bool = True,
     ) -> None:
-        for name, value, minimum in (
-            ("level_steps", level_steps, 1),
-            ("levels", levels, 1),
-            ("rewind_to", rewind_to, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
-        if isinstance(prune_fraction, bool) or not 0.0 < float(prune_fraction) < 1.0:
+        level_steps = validate.integer(level_steps, "level_steps", 1, unit="optimizer steps")
+        levels = validate.integer(levels, "levels", 1)
+        rewind_to = validate.integer(rewind_to, "rewind_to", 0, unit="optimizer steps")
+        prune_fraction = validate.real(prune_fraction, "prune_fraction")
+        if not 0.0 < prune_fraction < 1.0:
             raise ValueError(
                 f"prune_fraction={prune_fraction!r} must be in (0, 1): the share of the remaining "
                 "weights pruned per level, e.g. 0.2"
@@ -117,7 +115,7 @@ class IterativePruning(pl.Callback):
         if scope not in ("layer", "global"):
             raise ValueError(f"scope={scope!r} must be 'layer' or 'global'")
         self.level_steps, self.levels = level_steps, levels
-        self.prune_fraction, self.scope = float(prune_fraction), scope
+        self.prune_fraction, self.scope = prune_fraction, scope
         self.rewind_lr, self.rewind_to = rewind_lr, rewind_to
         self.reset_optimizer, self.monitor, self.verbose = reset_optimizer, monitor, verbose
         self.algorithm = GMP(

@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from lightning_sparse.core import validate
 from lightning_sparse.core.conversion import densify
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.flop_counter import mask_names
@@ -45,21 +46,19 @@ class VariableSPDF(pl.Callback):
         verbose: print a line at the switch.
 
     Raises:
-        ValueError: ``dense_from_step`` is not an int >= 1.
+        TypeError / ValueError: ``dense_from_step`` is not an int >= 1.
     """
 
     def __init__(self, dense_from_step: int, verbose: bool = True) -> None:
-        if isinstance(dense_from_step, bool) or not isinstance(dense_from_step, int):
-            raise ValueError(
-                f"dense_from_step={dense_from_step!r} must be an int (optimizer steps of the "
-                "sparse stage), e.g. 500"
-            )
-        if dense_from_step < 1:
-            raise ValueError(
-                f"dense_from_step={dense_from_step} must be >= 1: a sparse stage of 0 steps still "
-                "prunes the initial weights (masks are applied at setup); for dense training "
-                "remove the sparsity callback instead"
-            )
+        dense_from_step = validate.integer(
+            dense_from_step,
+            "dense_from_step",
+            1,
+            unit="optimizer steps",
+            fix="pass the sparse stage's length in optimizer steps, e.g. 500 (a stage of 0 steps "
+            "still prunes the initial weights, as masks are applied at setup; for dense training "
+            "remove the sparsity callback instead)",
+        )
         self.dense_from_step = dense_from_step
         self.verbose = verbose
         self.densified_at: int | None = None

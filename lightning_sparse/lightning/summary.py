@@ -12,11 +12,11 @@ At the end of ``fit`` it prints, and writes to ``<log dir>/summary.json`` for
   sparsity at the end (`sparsity_report`);
 - training and inference FLOPs, sparse versus the same model dense (`model_flops`, Chinchilla
   conventions, see ``flops.py``; a Conv2d costs ``2 * kept * H_out * W_out`` per example, with
-  the output size recorded from the training forwards). Training FLOPs are counted step by step
-  as ``3 x`` the forward FLOPs per token of the masks in force times the tokens trained, so a
-  schedule that changes the sparsity (GraNet) is costed as it ran; algorithms that need dense
-  weight gradients on mask updates (RigL, GraNet) add `FlopReport.extra_dense_grad_flops` on
-  each update step.
+  the output size recorded from the training forwards). Training FLOPs are counted batch by
+  batch by a `FlopMeter` into a `FlopLedger` (``core/flop_account.py``, the same accountant as
+  `FlopCounter`'s and the device's): ``3 x`` the forward FLOPs per token of the masks the batch
+  trained with times its tokens, so a schedule that changes the sparsity (GraNet) is costed as it
+  ran; mask updates that read dense weight gradients (RigL, GraNet) add them on their step.
 
 During training it logs ``flops/train``, ``flops/train_dense`` and ``tokens`` (cumulative) at the
 trainer's logging interval. Its counters are callback state, so a resumed run continues them.
@@ -36,17 +36,23 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
-from lightning_sparse.core.flops import ConvPositionRecorder, FlopReport, batch_shape, model_flops
 from lightning_sparse.core.report import sparsity_report
+from lightning_sparse.lightning.flop_meter import FlopMeter, attention_dims
+from lightning_sparse.lightning.summary_text import final_metrics, flat_summary, format_summary
 
-__all__ = ["SparseRunSummary", "attention_dims", "flat_summary", "unigram_cross_entropy"]
+__all__ = [
+    "SparseRunSummary",
+    "attention_dims",
+    "flat_summary",
+    "format_summary",
+    "unigram_cross_entropy",
+]
 
-_COUNTERS = ("tokens", "train_flops", "dense_train_flops", "dense_grad_flops", "dense_grad_steps")
 VAL_KEYS = ("val/loss", "val_loss")  # looked for, in order, when no monitor is configured
 
 
@@ -74,23 +80,15 @@ class SparseRunSummary(pl.Callback):
     ) -> None:
         self.path = path
         self.monitor = monitor
-        self.seq_len = seq_len
         self.print_layers = print_layers
-        self.counters: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self.meter = FlopMeter("SparseRunSummary", seq_len=seq_len)
         self.val_curve: list[list[float]] = []
         self.train_curve: list[list[float]] = []
         self.wall_time = 0.0  # seconds of fit before the current process's fit started
         self._fit_start: float | None = None
-        self._report: FlopReport | None = None
-        self._pending_sequences = 0  # sequences since the last optimizer step
         self._step_at_batch_start = 0
-        self._world_size = 1
-        self._last_dense_grad_step = -1
         self._hooked: set[int] = set()
-        self._warned = False
-        self._seq_len_seen: int | None = None
         self.summary: dict[str, Any] | None = None
-        self._layers: tuple[int, int] = (-1, -1)  # (sparse tensors, Conv2d sizes known)
         # What actually ran: sparsity stages, algorithms, validations.
         self.stages: list[dict[str, Any]] = []
         self.algorithm_names: set[str] = set()
@@ -101,60 +99,45 @@ class SparseRunSummary(pl.Callback):
         self._stage_dirty = True
 
     # ------------------------------------------------------------------ counting
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Conv2d FLOPs scale with the output size the batches produce (flops.model_flops).
+        self.meter.setup(pl_module)
+
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
-        # Conv2d FLOPs scale with the output size the batches produce (flops.model_flops).
-        self._conv = ConvPositionRecorder(pl_module)
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._world_size = trainer.world_size
-        for algorithm in algorithms_of(pl_module):
-            if id(algorithm) not in self._hooked:  # leaf algorithms, Group members included
-                algorithm.register_update_hook(self._on_mask_update)
-                self._hooked.add(id(algorithm))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        # Charged here: forward and backward run with the masks in force now (updates come
-        # after the backward, before the optimizer step).
         self._step_at_batch_start = trainer.global_step
         # The sparse layers themselves can change too (densify at a Variable SPDF switch).
         layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
         self._note_stage(pl_module, trainer.global_step, layers)
-        shape = self._batch_shape(batch)
-        if shape is None:
-            return
-        conv = getattr(self, "_conv", None)
-        if conv is not None and not conv.complete:  # Conv2d sizes come with the first forward
-            self._deferred = (layers, *shape)
-            return
-        self._count(pl_module, layers, *shape)
+        self.meter.batch_start(trainer, pl_module, batch)
+        for algorithm in algorithms_of(pl_module):  # a mask update ends the stage's sparsity
+            if id(algorithm) not in self._hooked:
+                algorithm.register_update_hook(self._on_mask_update)
+                self._hooked.add(id(algorithm))
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Count a batch deferred until its forward recorded the Conv2d output sizes (the
-        masks are still those of the batch start: updates come before the optimizer step)."""
-        deferred, self._deferred = getattr(self, "_deferred", None), None
-        if deferred is not None:
-            self._count(pl_module, *deferred)
+        """The batch's forward and backward ran with the masks now: the meter costs them."""
+        self.meter.after_backward(pl_module)
 
-    def _count(
-        self, pl_module: pl.LightningModule, layers: int, sequences: int, seq_len: int
-    ) -> None:
-        """Add one batch's tokens and training FLOPs (dense and with the masks in force)."""
-        self._seq_len_seen = seq_len
-        conv = getattr(self, "_conv", None)
-        key = (layers, len(conv.positions) if conv is not None else 0)
-        if self._report is None or self._report.seq_len != seq_len or key != self._layers:
-            self._report = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
-            self._layers = key
-        tokens = sequences * seq_len * self._world_size
-        self._pending_sequences += sequences
-        self.counters["tokens"] += tokens
-        self.counters["train_flops"] += 3 * self._report.forward_flops_per_token * tokens
-        self.counters["dense_train_flops"] += (
-            3 * self._report.dense_forward_flops_per_token * tokens
-        )
+    @property
+    def seq_len(self) -> int | None:
+        """Tokens per training sequence, overriding the batch shape's (``None``: the batch's)."""
+        return self.meter.seq_len
+
+    @seq_len.setter
+    def seq_len(self, value: int | None) -> None:
+        self.meter.seq_len = value
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Running totals (`lightning_sparse.core.flop_account.COUNTERS`): ``tokens``,
+        ``train_flops`` (``3 x`` forward), ``dense_train_flops``, ``dense_grad_flops``,
+        ``dense_grad_steps``."""
+        return self.meter.ledger.counters
 
     def _note_stage(self, pl_module: pl.LightningModule, step: int, layers: int) -> None:
         """Extend the current sparsity stage to ``step``, or (masks changed) measure the sparsity
@@ -177,15 +160,6 @@ class SparseRunSummary(pl.Callback):
 
     def _on_mask_update(self, algorithm: SparsityAlgorithm, step: int, stats: Any) -> None:
         self._stage_dirty = True
-        # Runs inside the optimizer step, after the new masks are set: the cached report still
-        # describes the masks this step's dense gradients were computed against.
-        if getattr(algorithm, "needs_dense_grad", False) and step != self._last_dense_grad_step:
-            if self._report is not None:
-                extra = self._report.extra_dense_grad_flops(1, self._pending_sequences)
-                self.counters["dense_grad_flops"] += extra * self._world_size
-            self.counters["dense_grad_steps"] += 1
-            self._last_dense_grad_step = step
-        self._report = None  # masks changed: recount before the next batch
 
     def on_train_batch_end(
         self,
@@ -195,10 +169,10 @@ class SparseRunSummary(pl.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self.meter.batch_end(trainer)
         step = trainer.global_step
         if step == self._step_at_batch_start:
             return  # accumulating gradients: no optimizer step yet
-        self._pending_sequences = 0
         if step % max(trainer.log_every_n_steps, 1) == 0:
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             if isinstance(loss, Tensor):
@@ -237,34 +211,10 @@ class SparseRunSummary(pl.Callback):
         ]
         return list(dict.fromkeys([*keys, *VAL_KEYS]))
 
-    def _flop_kwargs(self, pl_module: pl.LightningModule) -> dict[str, Any]:
-        """Attention dimensions and the Conv2d output sizes seen so far, for `model_flops`."""
-        conv = getattr(self, "_conv", None)
-        positions = dict(conv.positions) if conv is not None else {}
-        return {**attention_dims(pl_module), "conv_positions": positions}
-
     @property
     def train_flops(self) -> float:
         """Sparse training FLOPs so far, dense-gradient extras included."""
-        return self.counters["train_flops"] + self.counters["dense_grad_flops"]
-
-    def _batch_shape(self, batch: Any) -> tuple[int, int] | None:
-        """(sequences, tokens per sequence) of a batch (`batch_shape`; ``seq_len`` overrides the
-        second); ``None`` (and a warning, once) for other batches, whose tokens and FLOPs are
-        not counted."""
-        shape = batch_shape(batch)
-        if shape is not None:
-            return shape[0], self.seq_len or shape[1]
-        if not self._warned:
-            first = batch[0] if isinstance(batch, list | tuple) and batch else batch
-            rank_zero_warn(
-                "SparseRunSummary counts integer token windows [B, T + 1] or floating examples "
-                f"[B, ...] (or tuples whose first element is one), not {type(first).__name__}: "
-                "tokens and training FLOPs are not counted (inference FLOPs still are; set "
-                "summary.seq_len for them)"
-            )
-            self._warned = True
-        return None
+        return self.meter.ledger.train_flops
 
     # ------------------------------------------------------------------ state
     def _elapsed(self) -> float:
@@ -273,11 +223,11 @@ class SparseRunSummary(pl.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "counters": dict(self.counters),
+            "counters": dict(self.counters),  # what earlier versions read
+            "flops": self.meter.state_dict(),
             "val_curve": [list(p) for p in self.val_curve],
             "train_curve": [list(p) for p in self.train_curve],
             "wall_time": self._elapsed(),
-            "last_dense_grad_step": self._last_dense_grad_step,
             "stages": [
                 {**st, "steps": list(st["steps"]), "sparsity": _copy(st["sparsity"])}
                 for st in self.stages
@@ -288,11 +238,16 @@ class SparseRunSummary(pl.Callback):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.counters = {**dict.fromkeys(_COUNTERS, 0), **state_dict["counters"]}
+        flops = state_dict.get("flops")
+        if flops is None:  # an earlier version's checkpoint: the totals only
+            flops = {
+                "counters": state_dict["counters"],
+                "last_dense_grad_step": state_dict.get("last_dense_grad_step", -1),
+            }
+        self.meter.load_state_dict(flops)
         self.val_curve = [list(p) for p in state_dict["val_curve"]]
         self.train_curve = [list(p) for p in state_dict["train_curve"]]
         self.wall_time = float(state_dict["wall_time"])
-        self._last_dense_grad_step = int(state_dict.get("last_dense_grad_step", -1))
         self.stages = [
             {**st, "steps": list(st["steps"]), "sparsity": _copy(st["sparsity"])}
             for st in state_dict.get("stages", [])
@@ -307,7 +262,7 @@ class SparseRunSummary(pl.Callback):
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.summary = self.build(trainer, pl_module)
         for logger in trainer.loggers:
-            logger.log_metrics(_final_metrics(self.summary), step=trainer.global_step)
+            logger.log_metrics(final_metrics(self.summary), step=trainer.global_step)
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
         path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
         self._emit(path, self.summary)
@@ -323,16 +278,14 @@ class SparseRunSummary(pl.Callback):
                 logger.experiment.summary.update(flat_summary(summary))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        conv = getattr(self, "_conv", None)
-        if conv is not None:
-            conv.remove()  # the positions recorded stay, for later build() calls
+        self.meter.teardown()  # the Conv2d sizes recorded stay, for later build() calls
 
     def build(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """The summary as plain Python values (what ``summary.json`` holds)."""
         report = sparsity_report(pl_module)
         totals = report.totals
-        seq_len = self._seq_len_seen or self.seq_len or 1
-        flops = model_flops(pl_module, seq_len, **self._flop_kwargs(pl_module))
+        seq_len = self.meter.seq_len_seen or self.seq_len or 1
+        flops = self.meter.flop_report(pl_module, seq_len)
         step, loss = self.val_curve[-1] if self.val_curve else (None, None)
         key = self._val_key if loss is not None else None
         ppl = trainer.callback_metrics.get(key.replace("loss", "ppl")) if key else None
@@ -413,99 +366,6 @@ class SparseRunSummary(pl.Callback):
         print(format_summary(summary, layers=self.print_layers) + f"\nsummary saved to {shown}")
 
 
-def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
-    """The human-readable form of a `SparseRunSummary.build` result."""
-    val, sp, fl = summary["val"], summary["sparsity"], summary["flops"]
-    lines = [
-        "",
-        "=" * 30 + " lightning-sparse run summary " + "=" * 30,
-        f"steps {summary['steps']}  tokens {summary['tokens']:,}  wall time "
-        f"{summary['wall_time_s']:.0f} s  algorithms {', '.join(summary['algorithms'])}",
-    ]
-    if val["loss"] is None:
-        looked = " or ".join(repr(k) for k in val.get("looked_for", ["val/loss"]))
-        lines.append(f"validation: no {looked} logged ({val.get('note')})")
-    else:
-        baseline = val["unigram_loss"]
-        extra = f"   (unigram baseline {baseline:.4f})" if baseline is not None else ""
-        lines.append(
-            f"validation at step {val['step']} ({val.get('key')!r}): loss {val['loss']:.4f} "
-            f"nats/token, perplexity {val['ppl']:.3f}{extra}"
-        )
-    if summary.get("stages"):
-        lines.append("stages: " + ", then ".join(_stage_text(st) for st in summary["stages"]))
-    if sp["layers"]:
-        lines.append(
-            f"sparsity at the end: {sp['sparse_layers']:.2%} of the sparse layers "
-            f"({len(sp['layers'])} tensors), {sp['model']:.2%} of all {sp['params']:,} "
-            f"parameters ({sp['nonzeros']:,} nonzero)"
-        )
-    else:
-        lines.append(
-            f"sparsity at the end: no masked layers; {sp['model']:.2%} of all {sp['params']:,} "
-            f"parameters are zero ({sp['nonzeros']:,} nonzero)"
-        )
-    if layers and sp["layers"]:
-        width = max(len(n) for n in sp["layers"])
-        lines += [f"  {name:<{width}}  {s:7.2%}" for name, s in sp["layers"].items()]
-    train, dense_train = fl["train"], fl["train_dense"]
-    inf, inf_dense = fl["inference_per_token"], fl["inference_per_token_dense"]
-    lines.append(f"{'FLOPs':<22}{'sparse':>12}{'dense':>12}{'dense/sparse':>14}")
-    for what, sparse, dense in (
-        ("training (total)", train, dense_train),
-        ("inference (per token)", inf, inf_dense),
-    ):
-        lines.append(f"{what:<22}{sparse:>12.3e}{dense:>12.3e}{_ratio(dense, sparse):>13.2f}x")
-    if fl["dense_grad_steps"]:
-        lines.append(
-            f"  training includes {fl['dense_grad_extra']:.3e} FLOPs of dense weight gradients "
-            f"on {fl['dense_grad_steps']} mask-update steps"
-        )
-    device = summary.get("device")
-    if device:
-        lines += [
-            f"WSE device ({device['steps']} steps; Linear-layer matmuls, training and validation):",
-            f"  FLOPs executed {device['flops_executed']:.3e} vs {device['flops_dense']:.3e} "
-            f"dense ({_ratio(device['flops_dense'], device['flops_executed']):.2f}x fewer), "
-            f"{device['dense_grad_steps']} steps with dense weight gradients",
-            f"  weights in CSR {device['weight_bytes_csr_both']:,} bytes for training "
-            f"({device['weight_bytes_csr_forward']:,} for inference) vs "
-            f"{device['weight_bytes_dense']:,} dense",
-            f"  CSR rebuilds {device['rebuilds']} ({device['rebuild_seconds']:.2f} s)",
-        ]
-    return "\n".join(lines)
-
-
-def flat_summary(summary: dict[str, Any], prefix: str = "summary") -> dict[str, Any]:
-    """A `SparseRunSummary.build` result as flat ``<prefix>/<key>/<key>`` -> scalar (for a W&B
-    run summary): nested dicts are followed, ``algorithms`` joined with ``+``, ``stages`` as
-    text (``sparse 80.0% for steps 0-40``); the curves are left out (they are logged metrics)."""
-    out: dict[str, Any] = {}
-    for key, value in summary.items():
-        name = f"{prefix}/{key}"
-        if key in ("val_curve", "train_curve", "looked_for"):
-            continue
-        if key == "stages":
-            out[name] = ", then ".join(_stage_text(st) for st in value)
-        elif key == "algorithms":
-            out[name] = "+".join(value)
-        elif isinstance(value, Mapping):
-            out.update(flat_summary(dict(value), name))
-        elif value is None or isinstance(value, str | int | float | bool):
-            out[name] = value
-    return out
-
-
-def _stage_text(stage: dict[str, Any]) -> str:
-    """``sparse 90.0% for steps 0-300`` / ``sparse 50.0% -> 80.0% ...`` / ``dense for ...``."""
-    first, end = stage["steps"]
-    if stage["kind"] == "dense":
-        return f"dense for steps {first}-{end}"
-    start, last = stage["sparsity"]
-    ramp = f" -> {last:.1%}" if f"{start:.1%}" != f"{last:.1%}" else ""
-    return f"sparse {start:.1%}{ramp} for steps {first}-{end}"
-
-
 def _copy(value: list[Any] | None) -> list[Any] | None:
     return list(value) if value is not None else None
 
@@ -515,28 +375,6 @@ def _device_stats(trainer: pl.Trainer) -> dict[str, Any] | None:
     device's); ``None`` on accelerators without them. Duck-typed: this layer is below the device."""
     figures = getattr(trainer.accelerator, "summary_figures", None)
     return figures() if callable(figures) else None
-
-
-def attention_dims(module: nn.Module) -> dict[str, int]:
-    """``n_layers``, ``d_model``, ``n_heads`` from a ``config`` attribute in ``module``'s tree.
-
-    Reads `LlamaConfig` (``n_layers``, ``dim``, ``n_heads``) and Hugging Face configs
-    (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``); empty when neither is
-    found, and `model_flops` then leaves the attention terms out.
-    """
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        for names in _CONFIG_NAMES:
-            values = [getattr(config, n, None) for n in names]
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                return dict(zip(("n_layers", "d_model", "n_heads"), values, strict=True))
-    return {}
-
-
-_CONFIG_NAMES = (
-    ("n_layers", "dim", "n_heads"),  # LlamaConfig
-    ("num_hidden_layers", "hidden_size", "num_attention_heads"),  # Hugging Face
-)
 
 
 def unigram_cross_entropy(train: Tensor, val: Tensor, vocab_size: int = 256) -> float:
@@ -557,22 +395,5 @@ def _unigram_of(datamodule: Any) -> float | None:
     return None
 
 
-def _final_metrics(summary: dict[str, Any]) -> dict[str, float]:
-    values = {
-        "summary/val_loss": summary["val"]["loss"],
-        "summary/val_ppl": summary["val"]["ppl"],
-        "summary/train_flops": summary["flops"]["train"],
-        "summary/train_flops_dense": summary["flops"]["train_dense"],
-        "summary/inference_flops_per_token": summary["flops"]["inference_per_token"],
-        "summary/sparsity": summary["sparsity"]["sparse_layers"],
-        "summary/wall_time_s": summary["wall_time_s"],
-    }
-    return {k: float(v) for k, v in values.items() if v is not None}
-
-
 def _exp(loss: float | None) -> float | None:
     return math.exp(loss) if loss is not None else None
-
-
-def _ratio(dense: float, sparse: float) -> float:
-    return dense / sparse if sparse else float("nan")

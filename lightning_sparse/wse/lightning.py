@@ -7,7 +7,8 @@ backend, gloo). What it adds happens in ``setup(trainer)``, which Lightning call
 ``strategy.setup`` after every callback's ``setup`` hook, so a sparsity callback has created its
 masks by then (``Trainer._run``: ``call._call_setup_hook`` precedes ``strategy.setup``). It
 
-1. checks the precision (the CSR kernels run float32/float64, so "32-true" and "64-true" only);
+1. checks the precision (the CSR kernels run float32/float64, so "32-true" and "64-true" only;
+   sparsity callbacks ask `check_trainer` before they prune, so a refused run modifies nothing);
 2. installs the executor on the LightningModule (`install_executor`: every `nn.Linear` becomes a
    `WSELinear`, every HF ``Conv1D`` its device subclass; masked ones run in CSR, see
    `executor.py`);
@@ -110,14 +111,27 @@ class WSEAccelerator(CPUAccelerator):
         self._monitor: WSEStatsMonitor | None = None
         self._trainer: weakref.ref[pl.Trainer] | None = None
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Check the configuration, install the executor and the statistics callback."""
+    def check_trainer(self, trainer: pl.Trainer) -> None:
+        """Raise unless ``trainer``'s precision and strategy run on the device.
+
+        Lightning calls `setup` only after every callback's ``setup``, when a sparsity callback
+        has already pruned the weights; so sparsity callbacks call this first, in their own
+        ``setup`` (`lightning_sparse.lightning.callback.check_accelerator`), and a refused run
+        leaves the model and the algorithm exactly as they were.
+
+        Raises:
+            ValueError: naming the precision or strategy, the rule and the fix.
+        """
         check_precision(trainer.precision_plugin)
         if not isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy):
             raise ValueError(
                 f"accelerator='wse' runs on one system or data parallel over several, not with "
                 f"{type(trainer.strategy).__name__}; use strategy='wse', 'wse_ddp', 'ddp' or auto"
             )
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Check the configuration, install the executor and the statistics callback."""
+        self.check_trainer(trainer)
         self.executor = install_executor(
             trainer.lightning_module, stats=self.stats, path=self.kernel_path
         )

@@ -8,7 +8,11 @@ tensors, no host syncs (every count is a Python int known from shapes and `CSRWe
 
 FLOPs count the matmuls of Linear layers (a multiply-add is 2 FLOPs; bias adds and everything
 outside Linear layers are left out), for ``N`` tokens through a ``[out, in]`` weight with ``nnz``
-kept entries, as below. Masked ``Conv2d`` layers run dense on the device and are recorded with
+kept entries, as below: `add_matmul` computes them with
+`lightning_sparse.core.flop_account.matmul_flops`, the formula the run summary and `FlopCounter`
+use, so a training step here costs what they charge for it (forward, input gradient and weight
+gradient: their ``3 x`` forward; a dense weight gradient: their dense-gradient extra).
+Masked ``Conv2d`` layers run dense on the device and are recorded with
 ``nnz = numel`` (executed = dense equivalent; ``N`` is the output positions, examples times
 output pixels); unmasked ones and embeddings are not recorded.
 
@@ -39,6 +43,8 @@ Weight memory, per masked layer with ``b`` bytes per value and 4-byte (int32) in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from lightning_sparse.core.flop_account import matmul_flops
 
 __all__ = ["FLOP_KINDS", "LayerMemory", "WSEStats"]
 
@@ -100,6 +106,12 @@ class WSEStats:
             counts = table[kind]
             counts[0] += executed
             counts[1] += dense
+
+    def add_matmul(self, kind: str, tokens: int, kept: int, numel: int) -> None:
+        """Record one matmul of ``kind`` (one of `FLOP_KINDS`): ``tokens`` rows through a weight of
+        ``numel`` entries of which ``kept`` are executed (``numel`` when it runs dense);
+        `matmul_flops` of each, executed and dense equivalent."""
+        self.add_flops(kind, matmul_flops(tokens, kept), matmul_flops(tokens, numel))
 
     def add_rebuild(self, name: str, seconds: float, memory: LayerMemory) -> None:
         """Record one CSR structure build of layer ``name``."""

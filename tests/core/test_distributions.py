@@ -127,9 +127,9 @@ def test_registry_and_errors() -> None:
     assert set(DISTRIBUTIONS) == {"uniform", "er", "erk"}
     with pytest.raises(ValueError, match=r"'ERK2'.*\['er', 'erk', 'uniform'\]"):
         make_distribution("ERK2")
-    with pytest.raises(ValueError, match="got 1.0"):
+    with pytest.raises(ValueError, match=r"erk sparsity=1.0 must be in \[0, 1\)"):
         erk(CNN, 1.0)
     with pytest.raises(ValueError, match="power_scale.*got -1"):
         erk(CNN, 0.5, power_scale=-1)
-    with pytest.raises(ValueError, match="got -0.1"):
+    with pytest.raises(ValueError, match=r"uniform sparsity=-0.1 must be in \[0, 1\)"):
         uniform(CNN, -0.1)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
 
-from lightning_sparse import Static, default_sparse_param_filter
+from lightning_sparse import Group, Static, default_sparse_param_filter
 from lightning_sparse.core.filters import glob_filter, make_param_filter, regex_filter
 from lightning_sparse.models import Llama, LlamaConfig
 
@@ -103,3 +106,83 @@ def test_optimizer_state_requires_dense_opt_out() -> None:
     assert torch.all(extra[~mask] == 0)  # an ordinary same-shape state is pruned
     assert torch.all(optimizer.state[model.weight]["momentum_buffer"][~mask] != 0)  # opted out
     assert torch.all(model.weight[~mask] == 0)
+
+
+# ---------------------------------------------------------------- config mistakes are loud
+
+
+def _lm() -> nn.Module:
+    """A Llama-style block: names like ``layers.0.self_attn.v_proj.weight``."""
+    return Llama(LlamaConfig.from_preset("tiny"))
+
+
+def _warnings(call: Callable[[], object]) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [str(w.message) for w in caught]
+
+
+def test_a_glob_of_a_list_that_matches_nothing_is_named_with_the_closest_name() -> None:
+    """A typo among valid globs used to be silent: the other globs still select parameters."""
+    model, sparsity = _lm(), Static(0.5, param_filter=["*q_proj.weight", "*v_prj.weight"])
+    messages = _warnings(lambda: model.apply(sparsity))
+    assert len(sparsity.sparse_params) == 2  # the valid glob still selects
+    typo = [m for m in messages if "'*v_prj.weight'" in m]
+    assert len(typo) == 1, messages
+    assert "param_filter glob '*v_prj.weight' matches no parameter" in typo[0]
+    assert "closest parameter name: 'layers.0.self_attn.v_proj.weight'" in typo[0]
+    assert not any("'*q_proj.weight'" in m for m in messages)
+
+
+def test_legacy_regex_that_matches_nothing_is_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    sparsity = Static(0.5, param_filter=regex_filter([r"0\.weight", "fc9"]))
+    messages = _warnings(lambda: model.apply(sparsity))
+    assert any("param_name_patterns regex 'fc9' matches no parameter" in m for m in messages)
+    assert set(sparsity.sparse_params) == {"0.weight"}
+
+
+def test_filters_that_select_something_say_nothing() -> None:
+    model = _lm()
+    messages = _warnings(lambda: model.apply(Static(0.5, param_filter=["*_proj.weight"])))
+    messages += _warnings(lambda: _lm().apply(Static(0.5)))
+    assert not messages
+
+
+def test_group_pattern_shadowed_by_an_earlier_one_is_named() -> None:
+    """``Group({"*.weight": a, "0.weight": b})`` gives ``b`` nothing; it used to be silent."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    a, b = Static(0.5), Static(0.3)
+    group = Group({"*.weight": a, "0.weight": b})
+    messages = _warnings(lambda: group.apply(model))
+    assert not b.sparse_params and set(a.sparse_params) == {"0.weight", "2.weight"}
+    assert len(messages) == 1, messages
+    shadowed = f"sparsity_group[1] ({b.name}): param_filter glob '0.weight' selects nothing"
+    assert shadowed in messages[0]
+    assert f"go to sparsity_group[0] ({a.name})" in messages[0] and "first matching" in messages[0]
+
+
+def test_group_reports_each_unselected_pattern_of_a_list_and_each_empty_callable() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    first, second, third = Static(0.5), Static(0.3), Static(0.2)
+    group = Group(
+        {
+            "0.*": first,
+            ("2.weight", "0.bias", "3.weight"): second,  # 0.bias shadowed, 3.weight a typo
+            (lambda name, p: name == "0.weight"): third,  # shadowed
+        }
+    )
+    messages = _warnings(lambda: group.apply(model))
+    assert set(second.sparse_params) == {"2.weight"} and not third.sparse_params
+    assert len(messages) == 3, messages
+    assert "glob '0.bias' selects nothing" in messages[0] and "sparsity_group[0]" in messages[0]
+    assert "glob '3.weight' matches no parameter" in messages[1]
+    assert "<lambda> selects nothing" in messages[2] and "'0.weight'" in messages[2]
+
+
+def test_group_member_whose_filter_matches_nothing_is_named() -> None:
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    group = Group({"0.*": Static(0.5), "encoder.*": Static(0.3)})
+    messages = _warnings(lambda: group.apply(model))
+    assert any("glob 'encoder.*' matches no parameter" in m for m in messages), messages

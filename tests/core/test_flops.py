@@ -259,15 +259,14 @@ def test_meta_device_gpt3_xl_costs_no_memory():
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        (dict(n_layers=-1), r"n_layers=-1 must be a positive integer"),
-        (dict(d_model=0), r"d_model=0 must be a positive integer"),
-        (dict(seq_len=2.0), r"seq_len=2.0 must be a positive integer"),
-        (dict(ffn_hidden=-8), r"ffn_hidden=-8 must be a positive integer"),
-        (dict(n_positions=-1), r"n_positions=-1 must be an integer >= 0"),
+        (dict(n_layers=-1), r"n_layers must be >= 1, got -1; pass the model's actual n_layers"),
+        (dict(d_model=0), r"d_model must be >= 1, got 0"),
+        (dict(ffn_hidden=-8), r"ffn_hidden must be >= 1, got -8"),
+        (dict(n_positions=-1), r"n_positions must be >= 0, got -1"),
         (dict(n_heads=3), r"d_model=8 is not divisible by n_heads=3"),
         (dict(ffn_kind="relu"), r"ffn_kind='relu' is unknown; pass 'gelu'"),
-        (dict(sparsity=1.0), r"sparsity of 'qkv' is 1.0; .* \[0, 1\): pass e.g. 0.9"),
-        (dict(sparsity={"ffn": -0.1}), r"sparsity of 'ffn' is -0.1"),
+        (dict(sparsity=1.0), r"sparsity=1.0 for 'qkv' must be in \[0, 1\): it is the fraction"),
+        (dict(sparsity={"ffn": -0.1}), r"sparsity=-0.1 for 'ffn'"),
         (dict(sparsity={"mlp": 0.5}), r"unknown sparsity keys \['mlp'\].*rename"),
         (dict(sparsity={"head": 0.5}, tie_embeddings=True), r"set sparsity\['embedding'\]"),
     ],
@@ -281,15 +280,17 @@ def test_model_flops_errors():
     model = toy_transformer(1, 8, 10, 32)
     with pytest.raises(ValueError, match=r"sparsity names 'fc.weight'.*named_parameters"):
         model_flops(model, 4, sparsity={"fc.weight": 0.5})
-    with pytest.raises(ValueError, match=r"'layers.0.q.weight' is 1.5"):
+    with pytest.raises(ValueError, match=r"sparsity=1.5 for 'layers.0.q.weight'"):
         model_flops(model, 4, sparsity={"layers.0.q.weight": 1.5})
     with pytest.raises(ValueError, match=r"no module named 'output'; pass head="):
         model_flops(model, 4, head="output", include_logits=False)
-    with pytest.raises(ValueError, match=r"seq_len=0 must be a positive integer"):
+    with pytest.raises(ValueError, match=r"seq_len must be >= 1, got 0"):
         model_flops(model, 0)
+    with pytest.raises(TypeError, match=r"seq_len must be an int, got 2.0 \(float\)"):
+        transformer_flops(**(TINY | {"seq_len": 2.0}))
     report = transformer_flops(**TINY)
     assert isinstance(report, FlopReport)
-    with pytest.raises(ValueError, match=r"n_updates=-1 must be an integer >= 0"):
+    with pytest.raises(ValueError, match=r"n_updates must be >= 0, got -1"):
         report.extra_dense_grad_flops(-1)
 
 

@@ -121,5 +121,5 @@ def test_make_init_method_adapts_user_callables() -> None:
 
 @pytest.mark.parametrize("name", ["random", "topk", "checkerboard"])
 def test_init_rejects_bad_sparsity(name: str) -> None:
-    with pytest.raises(ValueError, match="got 1.5"):
+    with pytest.raises(ValueError, match=r"init sparsity=1.5 must be in \[0, 1\)"):
         INIT_METHODS[name](torch.empty(4, 4), 1.5)

@@ -150,12 +150,13 @@ def test_shape_errors_name_shape_groups_and_fix(
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda: OutputGroups(0), "groups must be a positive int, got 0"),
-        (lambda: InputGroups(2.0), "got 2.0"),
+        (lambda: OutputGroups(0), "OutputGroups groups must be >= 1, got 0; pass a positive int"),
         (lambda: NM(5, 4), r"n must be an int in \[1, m=4\], got 5"),
-        (lambda: Blocks(2, -1), "w must be a positive int, got -1"),
+        (lambda: Blocks(2, -1), "Blocks w must be >= 1, got -1"),
     ],
 )
 def test_constructor_errors(build: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()  # type: ignore[operator]
+    with pytest.raises(TypeError, match=r"InputGroups groups must be an int, got 2.0"):
+        InputGroups(2.0)  # type: ignore[arg-type]

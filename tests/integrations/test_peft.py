@@ -99,17 +99,72 @@ def logits(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------- after get_peft_model
 
 
-def test_default_filter_on_a_peft_model_selects_the_adapters_and_logs_the_frozen_base(
+def with_lora_and_saved_modules(model: nn.Module) -> nn.Module:
+    """LoRA on every projection but ``down_proj``, whose layers are trained as full copies
+    (``modules_to_save``: trainable 2-D weights that are not base weights)."""
+    config = peft.LoraConfig(
+        r=4, target_modules=TARGETS[:-1], modules_to_save=["down_proj"], lora_dropout=0.0
+    )
+    return peft.get_peft_model(model, config)
+
+
+def test_default_filter_never_selects_peft_adapters_and_warns_of_the_frozen_base(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    model = with_lora(llama())
+    """With LoRA the base weights are frozen, so the default filter selects nothing trainable:
+    before, it silently sparsified the LoRA A/B weights and the ``modules_to_save`` copies."""
+    model = with_lora_and_saved_modules(llama())
+    adapters_before = {
+        n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad
+    }
+    assert any(".lora_A." in n for n in adapters_before)
+    assert any(".modules_to_save." in n for n in adapters_before)
     sparsity = Static(0.5)
-    with caplog.at_level(logging.INFO, logger="lightning_sparse"):
-        model.apply(sparsity)
-    assert sparsity.sparse_params and all("lora_" in n for n in sparsity.sparse_params)
-    assert len(sparsity.sparse_params) == 2 * len(TARGETS) * 2  # A and B, 2 layers
-    assert "14 frozen parameter(s) left dense" in caplog.text
-    assert "base_layer.weight" in caplog.text
+    with caplog.at_level(logging.WARNING, logger="lightning_sparse"):
+        with pytest.warns(UserWarning, match="no parameter"):
+            model.apply(sparsity)
+    assert not sparsity.sparse_params
+    assert all(
+        torch.equal(p, adapters_before[n])
+        for n, p in model.named_parameters()
+        if n in adapters_before
+    )
+    frozen = [r for r in caplog.records if "frozen parameter(s) dense" in r.getMessage()]
+    assert len(frozen) == 1 and frozen[0].levelno == logging.WARNING
+    message = frozen[0].getMessage()
+    # 6 LoRA-wrapped projections and the frozen original of the saved down_proj, per layer.
+    assert "left 14 frozen parameter(s) dense: " in message and "and 11 more" in message
+    assert "'base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight'" in message
+    assert 'param_filter="*base_layer.weight"' in message
+
+
+def test_default_filter_selects_exactly_the_trainable_base_weights_of_a_peft_model() -> None:
+    """Base weights made trainable again are ordinary weights; adapters never are."""
+    model = with_lora_and_saved_modules(llama())
+    unfrozen = {
+        n
+        for n, p in model.named_parameters()
+        if n.endswith("q_proj.base_layer.weight") or n.endswith("down_proj.original_module.weight")
+    }
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.requires_grad or name in unfrozen)
+    sparsity = Static(0.5)
+    model.apply(sparsity)
+    assert set(sparsity.sparse_params) == unfrozen and len(unfrozen) == 4
+
+
+def test_default_filter_skips_the_adapters_of_other_tuners() -> None:
+    """LoHa's ``hada_*`` factors (2-D, trainable) are found by peft's tuner-layer class."""
+    config = peft.LoHaConfig(r=4, target_modules=TARGETS)
+    model = peft.get_peft_model(llama(), config)
+    assert any(".hada_w1_a." in n and p.ndim == 2 for n, p in model.named_parameters())
+    for name, p in model.named_parameters():
+        p.requires_grad_(p.requires_grad or name.endswith("o_proj.base_layer.weight"))
+    sparsity = Static(0.5)
+    model.apply(sparsity)
+    assert set(sparsity.sparse_params) == {
+        f"base_model.model.model.layers.{i}.self_attn.o_proj.base_layer.weight" for i in range(2)
+    }
 
 
 def test_after_peft_base_stays_exactly_sparse_while_adapters_train_plain_loop() -> None:

@@ -147,7 +147,7 @@ def test_load_weights_errors_and_mask_dropping(tmp_path: Path) -> None:
     t = trainer(tmp_path, max_steps=1, callbacks=[LoadWeights(str(tmp_path / "missing.ckpt"))])
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         t.fit(TinyLM(), token_loader())
-    with pytest.raises(ValueError, match="dense_from_step"):
+    with pytest.raises(TypeError, match="dense_from_step must be an int"):
         VariableSPDF(dense_from_step=2.5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="remove the sparsity callback"):
         VariableSPDF(dense_from_step=0)
@@ -355,3 +355,18 @@ def test_run_summary_charges_the_dense_stage_at_dense_cost(tmp_path: Path) -> No
         4 * SPARSE_PER_TOKEN + 2 * DENSE_PER_TOKEN
     )
     assert run_summary.counters["dense_train_flops"] == 3 * TOKENS * 6 * DENSE_PER_TOKEN
+
+
+def test_run_summary_and_flop_counter_agree_whatever_the_callback_order(tmp_path: Path) -> None:
+    """Both cost a batch after its backward (one `FlopMeter`, one `FlopLedger`): listed before
+    `VariableSPDF`, the summary used to charge the switch batch at the sparse cost it measured at
+    batch start, while `FlopCounter` charged it dense."""
+    from lightning_sparse.lightning.summary import SparseRunSummary
+
+    run_summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)
+    counter = FlopCounter(verbose=False)
+    callbacks = [run_summary, counter, Static(0.75), VariableSPDF(4)]
+    trainer(tmp_path, max_steps=6, callbacks=callbacks).fit(TinyLM(), token_loader())
+    expected = 3 * TOKENS * (4 * SPARSE_PER_TOKEN + 2 * DENSE_PER_TOKEN)
+    assert run_summary.train_flops == counter.summary()["flops"] == expected
+    assert run_summary.counters["dense_train_flops"] == counter.summary()["dense_flops"]

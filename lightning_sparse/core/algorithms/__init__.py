@@ -1,6 +1,6 @@
 """Sparsity algorithms: one base, the algorithms as siblings over it, and the `Group` composite."""
 
-from ..schedules import validate_sparsity
+from ..validate import sparsity as validate_sparsity
 from .attach import algorithms_of
 from .base import DynamicSparsityAlgorithm, SparsityAlgorithm
 from .gmp import GMP

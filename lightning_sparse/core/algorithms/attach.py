@@ -10,7 +10,8 @@ Masks no algorithm owns (restored from a checkpoint by `restore_masks` or the lo
 carried by a deep copy) are replaced by the new algorithm's initial masks; ``init_method="topk"``
 chooses them from the loaded weights, whose pruned positions are zeros.
 
-Frozen parameters (``requires_grad=False``): the default filter leaves them dense (logged once);
+Frozen parameters (``requires_grad=False``): the default filter leaves them dense (a warning names
+them and how to select them);
 one selected explicitly keeps a fixed mask: pruned at ``apply``, never updated, still re-pruned
 after every load (the PEFT base-weight case).
 """
@@ -26,7 +27,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..filters import default_sparse_param_filter, is_dense_by_module, output_head_ids
+from ..filters import (
+    default_sparse_param_filter,
+    dense_by_default_ids,
+    frozen_left_dense,
+    is_dense_by_module,
+    unselected_patterns,
+)
 from ..layouts import is_in_out
 from ..rng import generator_for, resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
@@ -82,9 +89,10 @@ def check_shaper(shaper: object) -> Shaper:
 
 def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
     """Parameters of ``root`` the algorithm's filter picks, in registration order."""
-    tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
-    chosen, frozen = [], []
+    tied = tied_parameter_ids(root) | dense_by_default_ids(root)  # heads, PEFT adapters
+    chosen, frozen, names = [], [], []
     for candidate in candidates(root):
+        names.append(candidate[0])
         if algorithm.param_filter is not None:
             if algorithm.param_filter(candidate[0], candidate[3]):
                 chosen.append(candidate)
@@ -93,9 +101,10 @@ def select(algorithm: SparsityAlgorithm, root: nn.Module) -> list[Candidate]:
                 chosen.append(candidate)
             else:
                 frozen.append(candidate[0])
+    for message in unselected_patterns(algorithm.name, algorithm.param_filter, names):
+        warnings.warn(message, stacklevel=4)  # a typo in one glob of a list
     if frozen:
-        log.info("%s: %d frozen parameter(s) left dense (first: %s); select them with param_filter "
-                 "to give them a fixed mask", algorithm.name, len(frozen), frozen[0])
+        log.warning(frozen_left_dense(algorithm.name, frozen))
     return chosen
 
 

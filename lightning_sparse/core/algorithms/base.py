@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from .. import report
+from .. import report, validate
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
@@ -34,10 +34,8 @@ from ..schedules import (
     ScheduleSpec,
     UpdateSpec,
     bind,
-    check_sparsity_value,
     evaluate,
     make_update_schedule,
-    validate_sparsity,
 )
 from ..selection import Candidate
 from ..shapers import Shaper, Unstructured
@@ -90,15 +88,11 @@ class SparsityAlgorithm(ABC):
         erk_power_scale: float = 1.0,
         track_itop: bool = True,
     ) -> None:
-        if isinstance(sparsity, int | float) and not isinstance(sparsity, bool):
-            validate_sparsity(sparsity)
         self.update_schedule = make_update_schedule(update)
-        self.sparsity = bind(sparsity, self.update_schedule, count_zero=True)
+        self.sparsity = bind(sparsity, self.update_schedule, True, check=validate.sparsity)
         self.init_method = make_init_method(init_method)
         self.param_filter = make_param_filter(param_filter)
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed={seed!r} must be an int, or None for the experiment's seed")
-        self.seed = seed
+        self.seed = validate.seed(seed)
         self.seed_given = seed is not None
         self.shaper = attach.check_shaper(shaper) if shaper is not None else Unstructured()
         self.layers = LayerSparsity(distribution, erk_power_scale)
@@ -159,7 +153,7 @@ class SparsityAlgorithm(ABC):
     def target_sparsity(self, name: str, step: int) -> float:
         """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
         value = evaluate(self.sparsity, step, "sparsity")
-        check_sparsity_value(value, step, self.sparsity, name)
+        validate.sparsity(value, where=name, step=step, schedule=self.sparsity)
         return self.layers(name, value)
 
     def initial_target(self, name: str) -> float:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import validate
 from ..schedules import ScheduleSpec, bind, evaluate, steps_to_check
 from .base import SparsityAlgorithm
 from .drop_grow import dense_grad_score, shaped_drop_and_grow
@@ -30,7 +31,9 @@ class GraNet(SparsityAlgorithm):
         self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
     ) -> None:
         super().__init__(sparsity, **kwargs)
-        self.drop_fraction = bind(drop_fraction, self.update_schedule, count_zero=False)
+        self.drop_fraction = bind(
+            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
+        )
         self.check_range(self.horizon())
 
     def milestones(self) -> tuple[int, ...]:

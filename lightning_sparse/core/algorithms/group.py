@@ -23,7 +23,13 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..filters import ParamFilter, make_param_filter, output_head_ids
+from ..filters import (
+    ParamFilter,
+    PatternFilter,
+    dense_by_default_ids,
+    make_param_filter,
+    unselected_patterns,
+)
 from ..observers import SparsityHook, UpdateHook
 from ..rng import resolve_seed
 from ..selection import Candidate, candidates, tied_parameter_ids
@@ -130,10 +136,15 @@ class Group:
         self.root = obj
 
     def route(self, root: nn.Module) -> list[list[Candidate]]:
-        """The candidates of ``root`` each member gets (first matching filter wins)."""
-        tied = tied_parameter_ids(root) | output_head_ids(root)  # both stay dense by default
+        """The candidates of ``root`` each member gets (first matching filter wins). Warns, by
+        name, of every pattern and every member that selects nothing (`report_unselected`)."""
+        tied = tied_parameter_ids(root) | dense_by_default_ids(root)  # heads, PEFT adapters
         routed: list[list[Candidate]] = [[] for _ in self.members]
+        matched: list[list[str]] = [[] for _ in self.members]  # every name each filter matches
+        names = []
         for candidate in candidates(root):
+            names.append(candidate[0])
+            owner = None
             for i, (param_filter, algorithm) in enumerate(self.members):
                 if param_filter is not None:
                     chosen = param_filter(candidate[0], candidate[3])
@@ -142,15 +153,49 @@ class Group:
                 else:
                     chosen = attach.default_selects(candidate, tied) and candidate[3].requires_grad
                 if chosen:
-                    routed[i].append(candidate)
-                    break
+                    matched[i].append(candidate[0])
+                    owner = i if owner is None else owner
+            if owner is not None:
+                routed[owner].append(candidate)
         if not any(routed):
             warnings.warn(
                 f"{self.name}: no parameter of {type(root).__name__} matched any filter, so "
                 "nothing was sparsified; check the filters against model.named_parameters()",
                 stacklevel=4,
             )
+        for message in self.report_unselected(names, routed, matched):
+            warnings.warn(message, stacklevel=3)
         return routed
+
+    def report_unselected(
+        self, names: list[str], routed: list[list[Candidate]], matched: list[list[str]]
+    ) -> list[str]:
+        """Messages for each pattern (of a glob filter) and each other filter that selects no
+        parameter: it matches none, or every one it matches went to an earlier member
+        (``Group({"*.weight": a, "0.weight": b})`` leaves ``b`` nothing)."""
+        taken_by = {c[0]: self._label(i) for i, chosen in enumerate(routed) for c in chosen}
+        messages = []
+        for i, (param_filter, algorithm) in enumerate(self.members):
+            own = param_filter if param_filter is not None else algorithm.param_filter
+            selected = {c[0] for c in routed[i]}
+            if isinstance(own, PatternFilter):
+                messages += unselected_patterns(self._label(i), own, names, selected, taken_by)
+            elif not selected:
+                label = getattr(own, "__qualname__", None) or repr(own)
+                what = "the default filter" if own is None else f"filter {label}"
+                if not matched[i]:
+                    messages.append(f"{self._label(i)}: {what} matches no parameter")
+                else:
+                    owners = sorted({taken_by[n] for n in matched[i]})
+                    messages.append(
+                        f"{self._label(i)}: {what} selects nothing: the {len(matched[i])} "
+                        f"parameter(s) it matches (first: {matched[i][0]!r}) go to "
+                        f"{', '.join(owners)}, listed earlier (the first matching filter wins)"
+                    )
+        return messages
+
+    def _label(self, index: int) -> str:
+        return f"{self.name}[{index}] ({self.members[index][1].name})"
 
     # ------------------------------------------------------------------ forwarded to members
     def _applied(self) -> list[SparsityAlgorithm]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .. import validate
 from ..schedules import ScheduleSpec, bind
 from .base import SparsityAlgorithm
 from .drop_grow import shaped_drop_and_grow
@@ -30,7 +31,9 @@ class SET(SparsityAlgorithm):
         self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
     ) -> None:
         super().__init__(sparsity, **kwargs)
-        self.drop_fraction = bind(drop_fraction, self.update_schedule, count_zero=False)
+        self.drop_fraction = bind(
+            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
+        )
         self.check_range(self.horizon())
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:

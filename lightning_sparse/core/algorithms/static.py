@@ -10,10 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import report
+from .. import report, validate
 from ..distributions import global_magnitude
 from ..filters import ParamFilter
-from ..schedules import NeverSchedule, validate_sparsity
+from ..schedules import NeverSchedule
 from ..selection import Candidate
 from ..shapers import Shaper
 from ..sharding import full, shard_like
@@ -46,7 +46,7 @@ class Static(SparsityAlgorithm):
     ) -> None:
         self.global_ranking = distribution == "global"
         super().__init__(
-            validate_sparsity(sparsity),
+            validate.sparsity(sparsity),
             update=NeverSchedule(),
             init_method=init_method,
             param_filter=param_filter,

@@ -1,0 +1,47 @@
+"""A run the device refuses changes nothing: ``accelerator="wse"`` with a precision its CSR kernels
+do not run is refused before any sparsity callback prunes (Lightning sets the accelerator up only
+after every callback's ``setup``; the sparsity callbacks ask the accelerator first)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_sparse import RigL, Static
+from lightning_sparse.lightning.callback import check_accelerator
+from lightning_sparse.wse import WSEAccelerator
+from tests.helpers import TinyLM, token_loader, trainer
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "16-true", "bf16-true"])
+@pytest.mark.parametrize("algorithm", [RigL, Static], ids=["rigl", "static"])
+def test_refused_precision_leaves_model_and_algorithm_bit_equal(
+    precision: str, algorithm: type
+) -> None:
+    module = TinyLM()
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    sparsity = algorithm(0.5)
+    state = sparsity.state_dict()
+    fit = trainer(accelerator="wse", precision=precision, max_steps=1, callbacks=[sparsity])
+    with pytest.raises(ValueError, match=f"does not support precision='{precision}'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit.fit(module, token_loader())
+    after = module.state_dict()
+    assert list(after) == list(weights)  # no mask buffer registered
+    assert all(torch.equal(after[k], v) and after[k].dtype == v.dtype for k, v in weights.items())
+    assert sparsity.root is None and not sparsity.sparse_params and sparsity.seed is None
+    assert sparsity.state_dict() == state
+    assert not any(h for m in module.modules() for h in m._forward_pre_hooks.values())
+
+
+def test_check_accelerator_asks_only_accelerators_that_can_refuse() -> None:
+    cpu = trainer(precision="bf16-mixed")
+    check_accelerator(cpu)  # the CPU has no check_trainer: nothing to refuse
+    wse = trainer(accelerator="wse", precision="32-true")
+    check_accelerator(wse)
+    assert isinstance(wse.accelerator, WSEAccelerator)
+    with pytest.raises(ValueError, match=r"use precision in \('32-true', '64-true'\)"):
+        check_accelerator(trainer(accelerator="wse", precision="bf16-true"))

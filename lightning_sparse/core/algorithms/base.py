@@ -265,11 +265,13 @@ class SparsityAlgorithm(ABC):
     register_computed_sparsity_hook = Observers.register_computed_sparsity_hook
     overall_sparsity = report.overall_sparsity
 
-    # Checkpoints (`checkpoint.py`): step, seed and identity; masks are model buffers.
+    # Checkpoints (`checkpoint.py`): step, seed, identity and the masks (packed bits); the
+    # mask buffers are non-persistent, so model.state_dict() holds the pruned weights only.
     config = checkpoint.algorithm_config
     state_dict = checkpoint.algorithm_state
     load_state_dict = checkpoint.load_algorithm_state
     check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
+    model_loaded = checkpoint.model_loaded  # and its load post-hook
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""

@@ -107,7 +107,8 @@ def test_variable_spdf_resume_after_the_switch_is_exact(tmp_path: Path) -> None:
     fit(tmp_path / "b", 5, save=True)
     saved = torch.load(tmp_path / "b" / "last.ckpt", weights_only=True)
     assert not [k for k in saved["state_dict"] if k.endswith("_mask")]  # dense weights only
-    assert saved["sparsity"]["Static"]["params"] == {}  # a removed algorithm: prunes nothing
+    static = saved["sparsity"]["Static"]
+    assert static["removed"] and static["params"] == {}  # a removed algorithm: prunes nothing
     resumed, resumed_counter = fit(tmp_path / "c", 7, ckpt=str(tmp_path / "b" / "last.ckpt"))
     assert _masks(resumed) == []
     for (name, a), (_, b) in zip(

@@ -115,6 +115,7 @@ class SparsityAlgorithm(ABC):
         self.unlogged_update = False
         self.last_update_step = -1
         self.mask_targets: dict[str, float] = {}
+        self.removed = False  # remove() ran (densify): its state prunes nothing when loaded
         # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `attach.validate`. The
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
@@ -280,6 +281,7 @@ class SparsityAlgorithm(ABC):
             sp.remove_mask()
         attach.unregister(self)
         self.sparse_params.clear()
+        self.removed = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"

@@ -176,6 +176,7 @@ def algorithm_state(algorithm: SparsityAlgorithm) -> dict[str, Any]:
         "masks": {
             name: pack_bits(full(sp.mask)).cpu() for name, sp in algorithm.sparse_params.items()
         },
+        "removed": algorithm.removed,
     }
     if algorithm.ever_active:
         state["ever_active"] = {n: m.clone() for n, m in algorithm.ever_active.items()}
@@ -229,6 +230,9 @@ def check_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
         raise ValueError(f"{owner}: the checkpoint holds {state['algorithm']!r} state, not "
                          f"{kind!r}; resume with the algorithm that wrote it")
     # A state without parameters comes from a removed (densified) algorithm: VariableSPDF.
+    if state.get("removed") and state.get("masks"):
+        raise ValueError(f"{owner}: the sparsity state of a removed algorithm holds masks; the "
+                         "checkpoint is corrupt")
     if state.get("params") and algorithm.sparse_params:
         ours = {name: list(sp.mask.shape) for name, sp in algorithm.sparse_params.items()}
         theirs = {name: list(shape) for name, shape in state["params"].items()}
@@ -311,12 +315,12 @@ def mask_targets(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> dict
 
 def restore_algorithm_state(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> None:
     """Restore a ``state`` that `check_algorithm_state` accepted: counters and seed; the masks
-    in place (all ones for a removed algorithm's state: it prunes nothing), the weights a model
-    load zeroed put back, then pruned; gradients and optimizer state pruned before the next
-    step."""
+    in place (all ones for the state of a removed algorithm, VariableSPDF's dense stage: it
+    prunes nothing), the weights a model load zeroed put back, then pruned; gradients and
+    optimizer state pruned before the next step."""
     targets = mask_targets(algorithm, state)
     masks = saved_masks(algorithm, state)
-    removed = "params" in state and not state["params"]
+    removed = bool(state.get("removed"))
     algorithm.step = state["step"]
     algorithm.last_update_step = state.get("last_update_step", -1)
     algorithm.seed = state.get("seed", algorithm.seed)

@@ -21,6 +21,7 @@ _CORE = (
     "SparsityReport",
     "SparsityWrapperOptimizer",
     "algorithms_of",
+    "checkpoint_masks",
     "configure_sparsity_wrapper",
     "convert_nan_checkpoint",
     "default_sparse_param_filter",

@@ -111,6 +111,20 @@ def trainer(tmp_path: object = None, **kwargs: object) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of every parameter and buffer of ``model``, the non-persistent mask buffers
+    included (``state_dict()`` leaves those out): what "the model is unchanged" compares."""
+    return {
+        name: tensor.detach().clone()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+    }
+
+
+def mask_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{buffer name: mask}`` of every ``*_mask`` buffer of ``model`` (copies)."""
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith("_mask")}
+
+
 def assert_state_equal(a: object, b: object, path: str = "state") -> None:
     """Recursive exact equality of nested dicts / lists / tensors / scalars."""
     if isinstance(a, dict):

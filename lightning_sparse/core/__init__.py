@@ -26,7 +26,7 @@ from .filters import default_sparse_param_filter
 from .legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from .report import SparsityReport, sparsity_report
 from .sparse_parameter import SparseParameter
-from .state_dict import restore_masks, strip_masks
+from .state_dict import checkpoint_masks, restore_masks, strip_masks
 
 __all__ = [
     "GMP",
@@ -43,6 +43,7 @@ __all__ = [
     "algorithm_class",
     "algorithms_of",
     "available_algorithms",
+    "checkpoint_masks",
     "configure",
     "configure_sparsity_wrapper",
     "convert_nan_checkpoint",

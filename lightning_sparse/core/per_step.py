@@ -111,6 +111,10 @@ class StepHooks:
         self._state_len: dict[int, int] = {}
         self._dense_state: set[int] = set()  # optimizers with requires_dense same-shape state
         self.version = 0  # bumped whenever masks, parameters or loaded state change
+        # Between a model load and the next step (`checkpoint`): masks an earlier version's
+        # state dict brought, and weight values the load's pruning zeroed.
+        self.incoming_masks: dict[str, torch.Tensor] = {}
+        self.unpruned: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ installation
     def install(self, root: nn.Module, sps: list[SparseParameter]) -> None:
@@ -210,6 +214,7 @@ class StepHooks:
             handle.remove()
         self._handles, self._root_handles = {}, []
         self._hooked, self._masks, self._masked_grad, self._pruned_weight = {}, {}, {}, {}
+        self.incoming_masks, self.unpruned = {}, {}
 
     # ------------------------------------------------------------------ the step
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -219,6 +224,7 @@ class StepHooks:
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
         masks (if ``autoupdate``), then prune gradients and, if needed, weights and state."""
+        self.unpruned = {}  # a sparsity state loads before training goes on, or never
         self.rebind()
         if self.algorithm.autoupdate:
             self.algorithm.update(optimizer)
@@ -297,11 +303,12 @@ class StepHooks:
         self._state_len.pop(id(optimizer), None)  # pruned again before the next step
 
     # ------------------------------------------------------------------ replaced tensors
-    def rebind(self) -> bool:
+    def rebind(self, prune: bool = True) -> bool:
         """Follow parameters and masks replaced since the last step (``setattr`` of a new
-        Parameter, ``load_state_dict(assign=True)``, ``to_empty``, ``.to()``); returns whether
-        anything was replaced. A mask buffer whose values were lost (``to_empty``) gets its
-        values back; one created on the meta device is built from the materialized weights."""
+        Parameter, ``load_state_dict(assign=True)``, ``to_empty``, ``.to()``) and prune them
+        (unless ``prune`` is False); returns whether anything was replaced. A mask buffer whose
+        values were lost (``to_empty``) gets its values back; one created on the meta device is
+        built from the materialized weights."""
         changed = False
         for name, sp in self.algorithm.sparse_params.items():
             param = sp.module._parameters.get(sp.param_name)
@@ -312,7 +319,8 @@ class StepHooks:
             if mask is not self._masks.get(name):
                 self._restore_mask(sp, self._masks.get(name), mask)
             self._hook_param(sp)
-            sp.prune_()
+            if prune:
+                sp.prune_()
         if changed:
             self.version += 1
         return changed
@@ -329,9 +337,7 @@ class StepHooks:
 
     def _after_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         for name, sp in self.algorithm.sparse_params.items():
-            self._masks[name] = sp.mask  # loaded masks are the masks now (assign=True too)
-        self.rebind()
-        with torch.no_grad():
-            for sp in self.algorithm.sparse_params.values():
-                sp.prune_()
+            self._masks[name] = sp.mask
+        self.rebind(prune=False)  # parameters assigned by the load get their hooks
+        self.algorithm.model_loaded()  # incoming masks adopted, weights pruned
         self.version += 1

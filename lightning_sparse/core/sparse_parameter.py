@@ -1,9 +1,11 @@
 """`SparseParameter`: one parameter under sparsity, and where its mask lives.
 
-The mask is a persistent ``torch.bool`` buffer named ``<param>_mask`` registered on the module that
-owns the parameter (True = kept), exactly as Cerebras' ``cstorch.sparse`` stores it, so
-``model.state_dict()`` carries ``fc1.weight_mask`` next to ``fc1.weight`` and any checkpoint format
-that saves module state saves the masks.
+The mask is a ``torch.bool`` buffer named ``<param>_mask`` registered on the module that owns the
+parameter (True = kept), where Cerebras' ``cstorch.sparse`` keeps it, so the device, DDP and the
+reports find it next to the weight. It is registered *non-persistent*: ``model.state_dict()``
+holds the weights only (pruned ones exactly 0), so a plain model of the same architecture loads
+it. The one saved copy of the masks is the algorithm's state (``sparsity.state_dict()["masks"]``,
+packed bits, `checkpoint`), saved like an optimizer's state.
 
 Sharding note: the mask is always read through the owning module (``getattr(module, mask_name)``)
 and every per-step operation on it is elementwise with the parameter. A sharded parameter (an FSDP2
@@ -19,12 +21,35 @@ from torch import nn
 from .masking import zero_pruned_
 from .sharding import full
 
-__all__ = ["SparseParameter", "mask_buffer_name"]
+__all__ = ["SparseParameter", "as_mask", "mask_buffer_name"]
 
 
 def mask_buffer_name(param_name: str) -> str:
     """Name of the mask buffer of parameter ``param_name`` on its owning module."""
     return f"{param_name}_mask"
+
+
+def as_mask(value: object, key: str, name: str, shape: tuple[int, ...], fix: str) -> torch.Tensor:
+    """A mask read from a file (entry ``key``, for parameter ``name`` of ``shape``) as bool.
+
+    Raises:
+        ValueError: ``value`` is not a tensor of ``shape``, or a non-bool one holds values other
+            than 0/1 (one host sync); the message names ``key``, both shapes or the dtype, and
+            ends with ``fix``.
+    """
+    if not torch.is_tensor(value) or tuple(value.shape) != tuple(shape):
+        got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(
+            f"mask {key!r} has shape {got} but {name!r} has shape {tuple(shape)}; {fix}"
+        )
+    if value.dtype != torch.bool:
+        if not bool(((value == 0) | (value == 1)).all()):
+            raise ValueError(
+                f"mask {key!r} holds values other than 0/1 (dtype {value.dtype}); a mask is "
+                f"bool or 0/1, True = kept: {fix}"
+            )
+        value = value.to(torch.bool)
+    return value
 
 
 class SparseParameter:
@@ -59,8 +84,8 @@ class SparseParameter:
         return self.mask_name in self.module._buffers
 
     def register_mask(self, mask: torch.Tensor) -> None:
-        """Register ``mask`` as the persistent buffer ``<param>_mask`` on the owning module."""
-        self.module.register_buffer(self.mask_name, mask.to(torch.bool), persistent=True)
+        """Register ``mask`` as the non-persistent buffer ``<param>_mask`` on the owning module."""
+        self.module.register_buffer(self.mask_name, mask.to(torch.bool), persistent=False)
 
     def remove_mask(self) -> None:
         """Delete the mask buffer (used by ``densify``)."""

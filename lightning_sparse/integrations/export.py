@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_sparse.core.state_dict import mask_keys, restore_masks, strip_masks
+from lightning_sparse.core.state_dict import model_masks, restore_masks, strip_masks
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
 from lightning_sparse.models.llama import Llama
@@ -157,7 +157,7 @@ def load_lit_checkpoint(path: str | Path) -> LitCausalLM:
                 module = instantiate_module(LitCausalLM, hparams)  # builds the class_path entry
         else:
             module = cls(**{k: v for k, v in hparams.items() if k != "_class_path"})
-        restore_masks(module, checkpoint["state_dict"])
+        restore_masks(module, checkpoint)  # the callback state, or old state-dict entries
         module.load_state_dict(checkpoint["state_dict"], strict=True)
     except (RuntimeError, TypeError) as err:
         raise ValueError(
@@ -184,7 +184,7 @@ def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any], list[str]]:
     """(a ``transformers`` model to save with, its mask-free state dict, the sparse weight keys)."""
     while isinstance(model, (LitCausalLM, HFCausalLM)):
         model = model.model
-    sparse = list(mask_keys(model.state_dict()).values())
+    sparse = list(model_masks(model))
     if isinstance(model, Llama):
         from lightning_sparse.integrations.llama_to_hf import hf_llama_name, to_hf_llama
 

@@ -3,8 +3,9 @@
 The hooks call what a plain PyTorch loop calls (`docs/hf_trainer.md`):
 
 1. ``on_train_begin`` (the Trainer has built, wrapped and, on resume, loaded the model and the
-   optimizer): ``apply(model)``; on resume, the masks, the weights and the algorithm state of the
-   checkpoint; then ``apply(optimizer)`` (the torch optimizer inside Accelerate's wrapper).
+   optimizer): the schedules checked up to ``max_steps`` (before anything changes);
+   ``apply(model)``; on resume, the checkpoint's algorithm state (masks included) and weights;
+   then ``apply(optimizer)`` (the torch optimizer inside Accelerate's wrapper).
 2. ``on_pre_optimizer_step`` (gradients accumulated, before ``optimizer.step()``):
    ``before_step`` (mask update on update steps, gradients and weights pruned), then gradient
    clipping. The Trainer clips *before* any callback hook, but masks must change before clipping
@@ -12,7 +13,11 @@ The hooks call what a plain PyTorch loop calls (`docs/hf_trainer.md`):
    gradient the step applies), so the callback takes the clipping over: it sets
    ``args.max_grad_norm`` to 0 for the run and clips with the original value itself (restored at
    ``on_train_end``; the ``grad_norm`` the Trainer logs is then measured before the update).
-3. ``on_save``: the algorithm state and the masks into ``checkpoint-N/sparsity_state.pt``.
+3. ``on_save``: the algorithm state, masks included (packed bits), into
+   ``checkpoint-N/sparsity_state.pt``. The mask buffers are non-persistent, so the Trainer's
+   checkpoints and ``save_model`` hold the weights only (pruned ones 0) and
+   ``from_pretrained`` loads them with no unexpected key. Files of earlier versions (a bool
+   ``"masks"`` dict beside the state) still resume.
 
 Only ``lightning_sparse.core`` is imported here; ``transformers`` is needed (``pip install
 lightning_sparse[hf]``). DeepSpeed, whose engine clips inside its own step, is not supported.
@@ -70,7 +75,14 @@ class SparsityTrainerCallback(TrainerCallback):
         optimizer: torch.optim.Optimizer | None = None,
         **kwargs: Any,
     ) -> None:
-        """Sparsify the model (restoring the checkpoint's masks on resume) and the optimizer."""
+        """Check the schedules up to ``max_steps``, then sparsify the model (restoring the
+        checkpoint's masks on resume) and the optimizer.
+
+        Raises:
+            ValueError: a schedule reaches an invalid value by ``max_steps`` (the Trainer's
+                ``state.max_steps``), DeepSpeed, or a checkpoint that does not fit; the model
+                and the optimizer are unchanged.
+        """
         if model is None or optimizer is None:
             raise RuntimeError(
                 "SparsityTrainerCallback needs the model and optimizer the Trainer "
@@ -82,6 +94,9 @@ class SparsityTrainerCallback(TrainerCallback):
                 "clips gradients before the mask update); train without --deepspeed"
             )
         # Checked and read before anything changes.
+        horizon = state.max_steps if state.max_steps and state.max_steps > 0 else args.max_steps
+        if horizon and horizon > 0:
+            self.sparsity.check_range(horizon)
         saved = self._load_checkpoint(args, state) if state.global_step > 0 else None
         if self.sparsity.root is None:
             self._apply_model(model, saved)
@@ -107,7 +122,7 @@ class SparsityTrainerCallback(TrainerCallback):
     def _apply_model(self, model: nn.Module, saved: dict[str, Any] | None) -> None:
         """``apply(model)``; on resume the checkpoint's masks and weights replace the initial
         ones (apply prunes by the initial mask, so the loaded weights are kept aside first)."""
-        names = saved["masks"] if saved is not None else {}
+        names = _saved_shapes(saved) if saved is not None else {}
         if saved is not None:
             self._check(model, saved)
         kept = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
@@ -141,7 +156,7 @@ class SparsityTrainerCallback(TrainerCallback):
             chosen = select(self.sparsity, model)
             check_algorithm_state(self.sparsity, saved["algorithm"])
         ours = {name: tuple(param.shape) for name, _, _, param in chosen}
-        theirs = {name: tuple(mask.shape) for name, mask in saved["masks"].items()}
+        theirs = _saved_shapes(saved)
         if ours != theirs:
             differ = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
             raise ValueError(
@@ -156,22 +171,25 @@ class SparsityTrainerCallback(TrainerCallback):
         saved: dict[str, Any],
         weights: dict[str, torch.Tensor] | None = None,
     ) -> None:
-        """Masks (and ``weights``) through ``model.load_state_dict``, whose hooks check them and
-        prune, then the algorithm state (step, last update, ITOP masks)."""
-        if set(self.sparsity.sparse_params) != set(saved["masks"]):
+        """The algorithm state (masks, step, last update, ITOP masks), then ``weights`` through
+        ``model.load_state_dict``, whose hooks prune them (and take an earlier version's bool
+        masks, which come as ``<param>_mask`` entries)."""
+        if set(self.sparsity.sparse_params) != set(_saved_shapes(saved)):
             raise ValueError(
                 "the checkpoint's masks are for other parameters than this "
                 "algorithm sparsifies; resume with the param_filter that wrote it"
             )
-        entries = {f"{name}_mask": mask for name, mask in saved["masks"].items()}
+        self.sparsity.load_state_dict(saved["algorithm"])
+        entries = {f"{name}_mask": mask for name, mask in saved.get("masks", {}).items()}
         entries.update(weights or {})
+        if not entries:
+            return
         result = model.load_state_dict(entries, strict=False)
         if result.unexpected_keys:
             raise ValueError(
                 f"checkpoint sparsity entries {result.unexpected_keys[:3]} match no "
                 "parameter of the model; resume with the model that wrote them"
             )
-        self.sparsity.load_state_dict(saved["algorithm"])
 
     def _load_checkpoint(self, args: TrainingArguments, state: TrainerState) -> dict[str, Any]:
         """The ``sparsity_state.pt`` of the checkpoint the Trainer resumed from: in
@@ -221,7 +239,7 @@ class SparsityTrainerCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        """Write the algorithm state and masks next to the Trainer's checkpoint files."""
+        """Write the algorithm state (masks included) next to the Trainer's checkpoint files."""
         if not state.is_world_process_zero or self.sparsity.root is None:
             return
         folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
@@ -230,12 +248,17 @@ class SparsityTrainerCallback(TrainerCallback):
                 f"the Trainer saved no {folder} (hyper-parameter search runs "
                 "save elsewhere, which SparsityTrainerCallback does not support)"
             )
-        payload = {
-            "global_step": state.global_step,
-            "algorithm": self.sparsity.state_dict(),
-            "masks": {n: sp.mask.detach().cpu() for n, sp in self.sparsity.sparse_params.items()},
-        }
+        payload = {"global_step": state.global_step, "algorithm": self.sparsity.state_dict()}
         torch.save(payload, os.path.join(folder, STATE_FILE))
+
+
+def _saved_shapes(saved: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{parameter name: shape}`` of the masks in a ``sparsity_state.pt``: the algorithm
+    state's parameters (a `Group`'s members' together), or an earlier version's bool masks."""
+    if "masks" in saved:
+        return {name: tuple(mask.shape) for name, mask in saved["masks"].items()}
+    states = saved["algorithm"].get("groups", [saved["algorithm"]])
+    return {name: tuple(shape) for s in states for name, shape in s.get("params", {}).items()}
 
 
 def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

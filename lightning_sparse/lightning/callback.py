@@ -7,10 +7,21 @@ so the callback, not the pre-hook, does that work here), ``state_dict`` / ``load
 the algorithm's. Logging happens once per ``log_every_n_steps``; at fit start every logger gets
 the settings as hyper-parameters (`sparsity_hparams`: the W&B run config, CSV ``hparams.yaml``,
 TensorBoard hparams), so runs can be grouped and filtered by sparsity.
+
+Checkpoints: the algorithm's state, masks included (packed bits), is saved under
+``checkpoint["sparsity"][state_key]`` (`save_sparsity_state`), not ``checkpoint["callbacks"]``,
+and ``checkpoint["state_dict"]`` holds only the weights (pruned ones 0). So the user's plain
+LightningModule loads the checkpoint with ``load_from_checkpoint`` or
+``trainer.validate/test/predict(ckpt_path=...)`` without the callback, and Lightning does not
+warn about a missing callback. Lightning restores the model, then the callbacks (fit, validate,
+test and predict alike): with the callback present its ``on_load_checkpoint`` restores the
+masks bit-exactly. Checkpoints of earlier versions (state under ``checkpoint["callbacks"]``,
+masks in the state dict) load as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,9 +31,17 @@ from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
 from lightning_sparse.core.init_methods import INIT_METHODS
 from lightning_sparse.core.schedules import Constant
 
-__all__ = ["SparsityCallback", "check_accelerator", "sparsity_hparams", "update_metrics"]
+__all__ = [
+    "SparsityCallback",
+    "check_accelerator",
+    "find_sparsity_state",
+    "save_sparsity_state",
+    "sparsity_hparams",
+    "update_metrics",
+]
 
 HParam = str | int | float | bool | None
+STATE_KEY = "sparsity"  # checkpoint["sparsity"][callback.state_key]: the sparsity states
 
 
 class SparsityCallback(pl.Callback):
@@ -79,6 +98,21 @@ class SparsityCallback(pl.Callback):
         """Gradients are accumulated (and all-reduced) here: update masks, prune, then step."""
         self.before_step(optimizer)
 
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Keep the state Lightning took from ``state_dict()`` under ``checkpoint["sparsity"]``."""
+        save_sparsity_state(checkpoint, self.state_key)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Restore this callback's state (after Lightning loaded the model's weights), or raise
+        if the checkpoint holds another sparsity callback's state only (`find_sparsity_state`)."""
+        state = find_sparsity_state(checkpoint, self.state_key, trainer.ckpt_path)
+        if state is not None:
+            self.load_state_dict(state)
+
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
@@ -97,6 +131,57 @@ class SparsityCallback(pl.Callback):
             metrics[f"{prefix}/itop"] = self.itop_rate()
             self.unlogged_update = False
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
+
+
+def save_sparsity_state(checkpoint: dict[str, Any], key: str) -> None:
+    """Move ``checkpoint["callbacks"][key]`` to ``checkpoint["sparsity"][key]``: a Trainer
+    without that callback then loads the checkpoint without Lightning's missing-callback
+    warning, and `lightning_sparse.core.state_dict.checkpoint_masks` finds the masks there."""
+    state = (checkpoint.get("callbacks") or {}).pop(key, None)
+    if state is not None:
+        checkpoint.setdefault(STATE_KEY, {})[key] = state
+
+
+def find_sparsity_state(
+    checkpoint: Mapping[str, Any], key: str, path: object = None
+) -> Mapping[str, Any] | None:
+    """The state `save_sparsity_state` saved for callback ``key``; None when there is none, or
+    when an earlier version saved it under ``checkpoint["callbacks"]`` (Lightning passes that
+    one to ``load_state_dict`` itself).
+
+    Raises:
+        ValueError: the checkpoint (file ``path``) holds another sparsity callback's state and
+            not this one's (resuming a SET run with RigL would start RigL from step 0 against
+            the run's step): it names both and the fix; nothing was restored.
+    """
+    saved = checkpoint.get(STATE_KEY) or {}
+    if key in saved:
+        return saved[key]
+    callbacks = checkpoint.get("callbacks") or {}
+    if key in callbacks:
+        return None
+    others = sorted({*saved, *(k for k, v in callbacks.items() if _is_sparsity_state(v))})
+    if others:
+        where = f"checkpoint {str(path)!r}" if path else "the checkpoint"
+        raise ValueError(
+            f"{where} holds the sparsity state of {', '.join(map(str, others))} but none of "
+            f"{key}, the sparsity callback of this Trainer; resume with the callback that wrote "
+            f"it ({others[0]}, with its settings), or start a new run from its weights with "
+            "LoadWeights(path) instead of ckpt_path"
+        )
+    return None
+
+
+def _is_sparsity_state(state: Any) -> bool:
+    """Whether a callback state is an algorithm's, a `Group`'s or a workflow's holding one
+    (every version of the layout)."""
+    if not isinstance(state, Mapping):
+        return False
+    if isinstance(state.get("groups"), list):
+        return True
+    if "step" in state and any(k in state for k in ("algorithm", "params", "last_update_step")):
+        return True
+    return _is_sparsity_state(state.get("algorithm"))
 
 
 def sparsity_hparams(

@@ -3,8 +3,10 @@
 Unlike ``fit(ckpt_path=...)``, which resumes a run (optimizer, LR schedule, step counter and
 callback states included), this only initialises the LightningModule's weights, so the new run
 starts its own optimizer and schedule: Variable SPDF's dense stage as a separate run after a
-sparse one, or dense fine-tuning after sparse pre-training (SPDF). ``drop_masks`` removes the
-``<param>_mask`` entries, so a sparse checkpoint loads into a dense model with its zeros in place.
+sparse one, or dense fine-tuning after sparse pre-training (SPDF). A sparse checkpoint's weights
+are already 0 where pruned (its masks are in the sparsity callback's state, not loaded here);
+``drop_masks`` removes the ``<param>_mask`` entries that checkpoints of earlier versions hold, so
+those load into a dense model too.
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ class LoadWeights(pl.Callback):
     Args:
         path: a Lightning checkpoint (its ``state_dict``) or a file holding a plain state dict.
             It is unpickled: load only files you trust.
-        drop_masks: leave out the ``<param>_mask`` entries (sparse weights into a dense model).
+        drop_masks: leave out the ``<param>_mask`` entries of an earlier version's checkpoint
+            (sparse weights into a dense model).
         strict: as ``nn.Module.load_state_dict``.
 
     Raises:

@@ -16,10 +16,11 @@ At the first training batch with ``global_step >= dense_from_step`` it calls
 as they are (zeros included). The sparsity callback stays in ``trainer.callbacks`` with no sparse
 parameters, so its hooks do nothing from then on. Add a ``FlopCounter`` for the FLOPs saved.
 
-Checkpoints written after the switch carry all-ones masks for the formerly sparse parameters,
-so ``fit(ckpt_path=...)`` resumes exactly: the sparsity callback re-applies its masks at setup,
-all-ones masks prune nothing, and the model is densified again at the first batch.
-``LoadWeights(path, drop_masks=True)`` strips them for a plain dense model.
+Checkpoints written after the switch hold the dense weights and the sparsity callback's state of
+a removed algorithm (no parameters), so ``fit(ckpt_path=...)`` resumes exactly: the sparsity
+callback re-applies its masks at setup, restoring that state makes them all ones (nothing is
+pruned, the loaded weights are kept), and the model is densified again at the first batch. A
+plain dense model loads them as they are.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_sparse.core import validate
 from lightning_sparse.core.conversion import densify
@@ -88,17 +88,6 @@ class VariableSPDF(pl.Callback):
                 f"(sparsity {before:.2%} -> dense); training continues dense",
                 flush=True,
             )
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """After the switch, save all-ones masks so a resumed run's sparsity callback prunes
-        nothing before the model is densified again."""
-        state = checkpoint.get("state_dict")
-        if self.densified_at is None or state is None:
-            return
-        for name, shape in self.mask_shapes.items():
-            state.setdefault(f"{name}_mask", torch.ones(shape, dtype=torch.bool))
 
     def state_dict(self) -> dict[str, Any]:
         """When the switch happened and which parameters were sparse."""

@@ -131,9 +131,11 @@ class LitCausalLM(L.LightningModule):
         )
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        """Register the sparse checkpoint's masks before Lightning loads its ``state_dict``, so
-        ``load_from_checkpoint`` and ``ckpt_path=`` work without a sparsity callback (a callback
-        in the Trainer has applied its algorithm already, which then loads the masks itself)."""
+        """Register the sparse checkpoint's masks before Lightning loads its ``state_dict``, so a
+        module loaded with ``load_from_checkpoint`` or ``ckpt_path=`` without a sparsity callback
+        carries them (for the device, reports, export), and checkpoints of earlier versions
+        (``*_mask`` entries) load (a callback in the Trainer has applied its algorithm already,
+        which then restores the masks itself)."""
         restore_checkpoint_masks(self, checkpoint)
 
     def configure_optimizers(self) -> dict:

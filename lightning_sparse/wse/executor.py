@@ -617,7 +617,7 @@ def on_wse(
 
     Example (inference from a sparse checkpoint without its algorithm)::
 
-        register_masks(lit, checkpoint["state_dict"])
+        register_masks(lit, checkpoint)  # the masks of the sparsity callback's state
         lit.load_state_dict(checkpoint["state_dict"])
         with on_wse(lit):
             tokens = lit.model.generate(prompt, max_new_tokens=32, temperature=0)

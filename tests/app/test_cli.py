@@ -24,7 +24,9 @@ import yaml
 from jsonargparse import Namespace
 
 from lightning_sparse.app import cli, compare
+from lightning_sparse.core.state_dict import checkpoint_masks
 from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
+from tests.helpers import assert_state_equal
 
 REPO = Path(__file__).resolve().parents[2]
 CSV = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
@@ -408,9 +410,10 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
     a, b = load_last(straight), load_last(chain)
     assert a["global_step"] == b["global_step"] == 40
     assert a["state_dict"].keys() == b["state_dict"].keys()
-    masks = [k for k in a["state_dict"] if k.endswith("_mask")]
+    masks = checkpoint_masks(a)
     assert len(masks) == 14  # 7 linear layers x 2 blocks
-    for key, value in a["state_dict"].items():  # weights and masks, bit for bit
+    assert_state_equal(masks, checkpoint_masks(b))  # masks, bit for bit
+    for key, value in a["state_dict"].items():  # weights, bit for bit
         assert torch.equal(value, b["state_dict"][key]), key
     for sa, sb in zip(
         a["optimizer_states"][0]["state"].values(),
@@ -419,8 +422,8 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
     ):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert (
-        a["callbacks"]["RigL"]["last_update_step"]
-        == b["callbacks"]["RigL"]["last_update_step"]
+        a["sparsity"]["RigL"]["last_update_step"]
+        == b["sparsity"]["RigL"]["last_update_step"]
         == 33
     )
     assert (

@@ -17,6 +17,7 @@ from torch import nn
 
 from lightning_sparse import GMP, SET, GraNet, Group, RigL, SparsityAlgorithm, Static, configure
 from lightning_sparse.core.shapers import OutputGroups
+from tests.helpers import full_state, mask_buffers
 
 ALL_ALGORITHMS = ["static", "set", "rigl", "gmp", "granet"]
 INIT_METHODS = ["checkerboard", "from_zeros", "random", "topk"]
@@ -28,11 +29,11 @@ def mlp(seed: int = 0) -> nn.Sequential:
 
 
 def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in model.state_dict().items()}
+    return full_state(model)
 
 
 def assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
-    after = model.state_dict()
+    after = full_state(model)
     assert list(after) == list(before), f"keys changed: {sorted(set(after) ^ set(before))}"
     for key, value in before.items():
         assert torch.equal(after[key], value), f"{key} changed"
@@ -262,7 +263,7 @@ def test_group_member_failing_validation_leaves_no_mask(
     group = Group(members())
     with pytest.raises(ValueError):
         model.apply(group)
-    assert not [k for k in model.state_dict() if k.endswith("_mask")]
+    assert not mask_buffers(model)
     assert_unchanged(model, before)
     assert not group.sparse_params
     assert_trains_like_untouched(model)
@@ -279,7 +280,7 @@ def test_apply_rejects_other_types() -> None:
     before = snapshot(model)
     model.apply(sparsity)  # the failures did not mark it as applied
     assert set(sparsity.sparse_params) == {"0.weight", "2.weight"}
-    assert list(model.state_dict()) != list(before)
+    assert list(full_state(model)) != list(before)
 
 
 def test_optimizer_before_model_raises_and_registers_nothing() -> None:

@@ -128,7 +128,7 @@ def assert_masks(algorithm: Group, sparsity: float | dict[str, float]) -> None:
 
 
 def masks(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in model.state_dict().items() if k.endswith("_mask")}
+    return {k: v for k, v in model.named_buffers() if k.endswith("_mask")}
 
 
 def describe(algorithm: object) -> tuple:

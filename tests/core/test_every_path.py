@@ -45,7 +45,13 @@ from lightning_sparse import GMP, SET, GraNet, Group, RigL, SparsityAlgorithm, S
 from lightning_sparse.core import algorithms_of
 from lightning_sparse.core.rng import resolve_seed
 from tests.core.test_invariants import assert_pruned_state_is_zero
-from tests.helpers import free_port, one_thread  # noqa: F401  (autouse fixture)
+from tests.helpers import (  # noqa: F401  (one_thread: autouse fixture)
+    assert_state_equal,
+    free_port,
+    full_state,
+    mask_buffers,
+    one_thread,
+)
 
 N_STEPS = 6
 FREQ = 2  # update steps 2 and 4 (GMP/GraNet ramps end at 4, also on the cadence)
@@ -195,19 +201,17 @@ def _dense_like(t: torch.Tensor) -> torch.Tensor:
 
 def load_state_dict_assign(run: Run, t: int) -> None:
     """b. ``load_state_dict(sd, assign=True)`` with dense weights, then a new optimizer: at step
-    2 with the masks in ``sd``, at step 5 without (a dense checkpoint: the masks are kept)."""
+    2 with the masks in ``sd`` (an earlier version's layout), at step 5 without (today's layout,
+    or a dense checkpoint: the masks are kept)."""
     if t in (2, 5):
-        masks = {k: v.clone() for k, v in run.model.state_dict().items() if k.endswith("_mask")}
-        sd = {
-            k: v if k.endswith("_mask") else _dense_like(v)
-            for k, v in run.model.state_dict().items()
-            if t == 2 or not k.endswith("_mask")
-        }
+        masks = mask_buffers(run.model)
+        sd = {k: _dense_like(v) for k, v in run.model.state_dict().items()}
+        if t == 2:
+            sd.update(masks)
         run.model.load_state_dict(sd, assign=True)
         run.new_optimizer()
         assert_pruned_state_is_zero(run.sparsity, run.optimizer, "right after assign-load")
-        for k, v in masks.items():
-            assert torch.equal(run.model.state_dict()[k], v), k
+        assert_state_equal(mask_buffers(run.model), masks)
     plain_backward(run, t)
 
 
@@ -403,10 +407,10 @@ def test_copies_hold_masks_and_leave_the_original_run_unchanged(
         for t in range(N_STEPS):
             if t == copy_at:
                 copied = copy.deepcopy(model) if how == "deepcopy" else _copy_by_save(model)
-                masks = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("_mask")}
+                masks = mask_buffers(model)
             plain_backward(run, t)
         if copied is not None:  # the copy is a snapshot: masks of the copy time, weights pruned
-            state = copied.state_dict()
+            state = full_state(copied)
             assert sorted(k for k in state if k.endswith("_mask")) == sorted(masks)
             for key, mask in masks.items():
                 assert torch.equal(state[key], mask), key
@@ -450,7 +454,7 @@ class WithInt(nn.Module):
 def snapshot(model: nn.Module) -> dict[str, Any]:
     """Everything ``apply`` may touch: state, buffers, hooks of every module and parameter."""
     return {
-        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "state": full_state(model),
         "buffers": sorted(n for n, _ in model.named_buffers()),
         "forward_hooks": [dict(m._forward_hooks) for m in model.modules()],
         "forward_pre_hooks": [dict(m._forward_pre_hooks) for m in model.modules()],
@@ -560,11 +564,32 @@ def test_bad_init_method_is_named_and_changes_nothing(
     before = snapshot(model)
     bad = Static(0.5, init_method=init)
     sparsity: Any = Group({"0.*": Static(0.5), "2.*": bad}) if grouped else bad
+    members = list(sparsity) if grouped else [sparsity]
+    settings = [_settings(a) for a in members]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with pytest.raises(error, match=init.__name__):
             model.apply(sparsity)
     assert_unchanged(model, before)
+    for algorithm, was in zip(members, settings, strict=True):  # the algorithm is unchanged too
+        assert_state_equal(_settings(algorithm), was)
+    model.apply(Static(0.5, seed=None))  # and the model takes another algorithm
+
+
+def _settings(algorithm: SparsityAlgorithm) -> dict[str, Any]:
+    """Everything an ``apply`` may set on an algorithm before its masks exist."""
+    return {
+        "state": algorithm.state_dict(),
+        "seed": algorithm.seed,
+        "name": algorithm.name,
+        "root": algorithm.root,
+        "params": list(algorithm.sparse_params),
+        "in_out": sorted(algorithm.in_out_params),
+        "shapes": {n: list(s) for n, s in algorithm.layers.shapes.items()},
+        "targets": dict(algorithm.mask_targets),
+        "ever_active": dict(algorithm.ever_active),
+        "version": algorithm.hooks.version,
+    }
 
 
 def test_one_dimensional_parameter_picked_by_a_glob_warns_naming_it() -> None:
@@ -592,13 +617,14 @@ def _frozen_state(model: nn.Module, sparsity: Any) -> dict[str, Any]:
     return {
         "algorithm": [(m.step, m.last_update_step, m.seed, dict(m.mask_targets)) for m in members],
         "ever_active": {n: m.clone() for n, m in sparsity.ever_active.items()},
-        "masks": {k: v.clone() for k, v in model.state_dict().items() if k.endswith("_mask")},
+        "masks": mask_buffers(model),
+        "model": full_state(model),
     }
 
 
 def _assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
     assert a["algorithm"] == b["algorithm"]
-    for key in ("ever_active", "masks"):
+    for key in ("ever_active", "masks", "model"):
         assert a[key].keys() == b[key].keys()
         for name in a[key]:
             assert torch.equal(a[key][name], b[key][name]), f"{key} {name}"
@@ -639,6 +665,13 @@ MALFORMED: dict[str, Callable[[dict[str, Any]], None]] = {
     "ever_active_shape": lambda s: s["ever_active"].update(
         {"0.weight": torch.ones(2, 2, dtype=torch.bool)}
     ),
+    # the packed masks (one bit per element): refused before any mask or weight changes
+    "mask_truncated": lambda s: s["masks"].update({"2.weight": s["masks"]["2.weight"][:-1]}),
+    "mask_too_long": lambda s: s["masks"].update({"4.weight": torch.zeros(4, dtype=torch.uint8)}),
+    "mask_dtype": lambda s: s["masks"].update({"2.weight": s["masks"]["2.weight"].int()}),
+    "mask_missing": lambda s: s["masks"].pop("4.weight"),
+    "mask_unknown": lambda s: s["masks"].update({"9.weight": torch.zeros(1, dtype=torch.uint8)}),
+    "masks_not_a_dict": lambda s: s.update(masks=[1, 2]),
 }
 
 
@@ -657,12 +690,14 @@ def _group() -> Group:
     return Group({"0.*": SET(0.5, **RIGL), "2.*": RigL(0.6, **RIGL)})
 
 
-@pytest.mark.parametrize("defect", ["step_str", "ever_active_shape", "other_config"])
+@pytest.mark.parametrize("defect", ["step_str", "ever_active_shape", "other_config", "mask"])
 def test_group_with_a_bad_second_member_leaves_the_first_unchanged(defect: str) -> None:
     source_model, source = _trained(_group, steps=5)
     state = source.state_dict()
     second = state["groups"][1]
-    if defect == "other_config":
+    if defect == "mask":
+        second["masks"]["2.weight"] = second["masks"]["2.weight"][1:]
+    elif defect == "other_config":
         second["config"]["sparsity"] = "Constant(0.9)"
     elif defect == "ever_active_shape":
         second["ever_active"]["2.weight"] = torch.ones(1, 1, dtype=torch.bool)

@@ -30,12 +30,12 @@ from safetensors.torch import load_file  # noqa: E402
 
 from lightning_sparse import Static, export  # noqa: E402
 from lightning_sparse.app import cli  # noqa: E402
-from lightning_sparse.core.state_dict import restore_masks  # noqa: E402
+from lightning_sparse.core.state_dict import checkpoint_masks, restore_masks  # noqa: E402
 from lightning_sparse.integrations import export as export_module  # noqa: E402
 from lightning_sparse.integrations.compressed import load_compressed  # noqa: E402
 from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402, F401  (autouse: one torch thread)
+from tests.helpers import full_state, one_thread  # noqa: E402, F401  (autouse: one thread)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def sparse_llama(**overrides: Any) -> Llama:
 
 
 def masks_of(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k[: -len("_mask")]: v for k, v in model.state_dict().items() if k.endswith("_mask")}
+    return {k[: -len("_mask")]: v for k, v in model.named_buffers() if k.endswith("_mask")}
 
 
 def saved_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -107,9 +107,9 @@ def test_llama_exports_as_llama_for_causal_lm_with_the_same_logits(
 ) -> None:
     model = sparse_llama(tie_embeddings=tied)
     lit = LitCausalLM(model=model)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
+    before = full_state(model)
     export(lit, tmp_path / "hf")
-    after = model.state_dict()
+    after = full_state(model)
     assert before.keys() == after.keys()  # masks kept on the live model
     assert all(torch.equal(before[k], after[k]) for k in before)
 
@@ -157,7 +157,7 @@ def test_hf_models_plain_and_wrapped_export_with_the_same_logits(tmp_path: Path)
     lit.eval()
     export(lit, tmp_path / "wrapped")
     assert_same_logits(lit, load(tmp_path / "wrapped"), 96)
-    assert restore_masks(lit, lit.state_dict()) == []  # the live model still holds its masks
+    assert len(masks_of(lit)) == 14  # the live model still holds its masks
 
 
 def test_compressed_format_loads_with_the_same_logits_and_stores_bitmasks(
@@ -217,18 +217,15 @@ def test_fit_checkpoint_exports_from_the_command_line(tmp_path: Path) -> None:
     cli.main(["export", "--ckpt_path", str(ckpt), "--format", "compressed",
               "--output", str(tmp_path / "c")])  # fmt: skip
 
-    # The reference: the module rebuilt by hand from the checkpoint (masks from its state dict).
+    # The reference: the module rebuilt by hand from the checkpoint (masks from its callback
+    # state).
     checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
     hp = {k: v for k, v in checkpoint["hyper_parameters"].items() if not k.startswith("_")}
     lit = LitCausalLM(**hp)
-    restore_masks(lit, checkpoint["state_dict"])
+    restore_masks(lit, checkpoint)
     lit.load_state_dict(checkpoint["state_dict"])
     lit.eval()
-    masks = {
-        k[len("model.") : -len("_mask")]: v
-        for k, v in checkpoint["state_dict"].items()
-        if k.endswith("_mask")
-    }
+    masks = {k[len("model.") :]: v for k, v in checkpoint_masks(checkpoint).items()}
     assert len(masks) == 7 and all(0.75 < 1 - m.float().mean() < 0.85 for m in masks.values())
     saved = saved_tensors(tmp_path / "hf")
     assert not [k for k in saved if k.endswith("_mask")]

@@ -1,11 +1,15 @@
 """`SparsityTrainerCallback` under ``transformers.Trainer``: pruned weights exactly zero after
-every step, masks updated before gradient clipping, and a run resumed from a mid-run checkpoint
-equal to the uninterrupted run (masks, weights, algorithm step)."""
+every step, masks updated before gradient clipping, a run resumed from a mid-run checkpoint
+equal to the uninterrupted run (masks, weights, algorithm state), no mask in the Trainer's
+checkpoints nor in ``save_model`` (``from_pretrained`` loads it cleanly), schedules checked up to
+``max_steps`` before anything changes, and the files of earlier versions still resume."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +20,15 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from lightning_sparse.core import Group, RigL, Static  # noqa: E402
+from lightning_sparse.core.bitpack import unpack_bits  # noqa: E402
 from lightning_sparse.integrations.hf import STATE_FILE, SparsityTrainerCallback  # noqa: E402
-from tests.helpers import hf_llama_fields, one_thread  # noqa: E402, F401
+from tests.helpers import (  # noqa: E402, F401  (one_thread: autouse fixture)
+    assert_state_equal,
+    full_state,
+    hf_llama_fields,
+    mask_buffers,
+    one_thread,
+)
 
 LLAMA = hf_llama_fields(hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 
@@ -77,9 +88,10 @@ def train(
     max_steps: int,
     resume: str | None = None,
     stop_at: int | None = None,
+    model: nn.Module | None = None,
     **kwargs: Any,
 ) -> tuple[nn.Module, ZeroCheck]:
-    model = llama()
+    model = model if model is not None else llama()
     check = ZeroCheck(sparsity)
     args = transformers.TrainingArguments(
         output_dir=str(out),
@@ -131,12 +143,92 @@ def test_resume_equals_uninterrupted(tmp_path: Path, accumulate: int) -> None:
     # RigL changed the masks during the run: the resume had real updates to reproduce.
     first_masks = {n: sp.mask for n, sp in first.sparse_params.items()}
     assert any(not torch.equal(first_masks[n], sp.mask) for n, sp in straight.sparse_params.items())
-    state_a, state_b = model_a.state_dict(), model_b.state_dict()
-    assert state_a.keys() == state_b.keys()
-    for key in state_a:
-        assert torch.equal(state_a[key], state_b[key]), key  # masks and weights bit-exact
+    assert_state_equal(full_state(model_a), full_state(model_b))  # weights and masks
+    assert_state_equal(straight.state_dict(), resumed.state_dict())
     assert check_a.steps == [(s, True) for s in range(1, 9)]
     assert check_b.steps == [(s, True) for s in range(5, 9)]
+    for folder in (tmp_path / "b" / "checkpoint-4", tmp_path / "b" / "checkpoint-8"):
+        assert not [k for k in saved_keys(folder) if k.endswith("_mask")], folder
+        assert set(torch.load(folder / STATE_FILE, weights_only=True)) == {
+            "global_step",
+            "algorithm",
+        }
+
+
+def saved_keys(folder: Path) -> list[str]:
+    """The tensor names of a ``save_pretrained`` folder's safetensors file(s)."""
+    from safetensors import safe_open
+
+    keys = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            keys += list(f.keys())
+    assert keys, f"no safetensors in {folder}"
+    return keys
+
+
+def test_save_model_has_no_masks_and_from_pretrained_is_clean(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sparsity = rigl()
+    model, _ = train(tmp_path / "run", sparsity, max_steps=4)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[])
+    trainer = transformers.Trainer(model=model, args=args)
+    trainer.save_model(str(tmp_path / "final"))
+    assert not [k for k in saved_keys(tmp_path / "final") if k.endswith("_mask")]
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error")
+        loaded, info = transformers.LlamaForCausalLM.from_pretrained(
+            str(tmp_path / "final"), output_loading_info=True
+        )
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"] and not info.get("error_msgs"), info
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    tokens = Tokens().ids[:2]
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens).logits, model(tokens).logits)
+    for name, sp in sparsity.sparse_params.items():  # zero where pruned, nothing else needed
+        assert not loaded.get_parameter(name).detach()[~sp.mask].any(), name
+
+
+def test_a_schedule_invalid_before_max_steps_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    """0.5 + 0.1 * step reaches 1.0 at step 5; the Lightning callback refuses it at setup, this
+    one at train begin, before the model or the optimizer is modified."""
+    sparsity = RigL({"type": "linear", "init": 0.5, "slope": 0.1}, update={"freq": 2})
+    model = llama()
+    before = full_state(model)
+    with pytest.raises(ValueError, match=r"sparsity.*step 6"):
+        train(tmp_path, sparsity, max_steps=8, model=model)
+    assert_state_equal(full_state(model), before)
+    assert sparsity.root is None and not sparsity.optimizers and not mask_buffers(model)
+
+
+def test_a_sparsity_state_of_an_earlier_version_resumes(tmp_path: Path) -> None:
+    """Earlier versions wrote the masks into the model files and a bool ``"masks"`` dict into
+    ``sparsity_state.pt``: such a checkpoint resumes exactly."""
+    straight = rigl()
+    model_a, _ = train(tmp_path / "a", straight, max_steps=8)
+    train(tmp_path / "b", rigl(), max_steps=8, stop_at=4)
+    folder = tmp_path / "b" / "checkpoint-4"
+    saved = torch.load(folder / STATE_FILE, weights_only=True)
+    algorithm = saved["algorithm"]
+    masks = {
+        name: unpack_bits(packed, algorithm["params"][name])
+        for name, packed in algorithm.pop("masks").items()
+    }
+    torch.save({**saved, "masks": masks}, folder / STATE_FILE)
+    from safetensors.torch import load_file, save_file
+
+    (weights,) = folder.glob("*.safetensors")
+    state = load_file(str(weights))
+    state.update({f"{name}_mask": mask for name, mask in masks.items()})
+    save_file(state, str(weights), metadata={"format": "pt"})
+    resumed = rigl()
+    model_b, _ = train(tmp_path / "b", resumed, max_steps=8, resume=str(folder))
+    assert_state_equal(full_state(model_a), full_state(model_b))
+    assert_state_equal(straight.state_dict(), resumed.state_dict())
 
 
 def test_masks_update_before_clipping(tmp_path: Path) -> None:
@@ -186,7 +278,8 @@ def test_group_and_wrong_checkpoint(tmp_path: Path) -> None:
     _, check = train(tmp_path, group, max_steps=4)
     assert check.steps == [(s, True) for s in range(1, 5)]
     saved = torch.load(tmp_path / "checkpoint-4" / STATE_FILE, weights_only=True)
-    assert len(saved["algorithm"]["groups"]) == 2 and len(saved["masks"]) == 7
+    groups = saved["algorithm"]["groups"]
+    assert len(groups) == 2 and sum(len(g["masks"]) for g in groups) == 7
     # Resuming with other filters or settings is refused before the model is touched.
     for other, message in (
         (

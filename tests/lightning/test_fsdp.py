@@ -98,7 +98,25 @@ def _train_sharded(rank: int, world: int, kind: str, out: str) -> None:
         result["local_mask_numel"][name] = (mask.to_local().numel(), mask.numel())
     for key, value in model.state_dict().items():
         result["state"][key] = value.full_tensor() if hasattr(value, "full_tensor") else value
-        torch.save(result, Path(out) / f"{kind}-rank{rank}.pt")
+    for name, sp in sparsity.sparse_params.items():
+        result["state"][f"{name}_mask"] = sp.mask.full_tensor()
+    # The algorithm state gathers the masks (packed) on every rank; a fresh sharded model and
+    # algorithm load it back, sharded like the parameters, with the weights, bit-exactly.
+    result["sparsity"] = sparsity.state_dict()
+    fresh, again = _model(), _make(kind)
+    for layer in fresh:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(fresh)
+    fresh.apply(again)
+    fresh.load_state_dict(model.state_dict())
+    again.load_state_dict(result["sparsity"])
+    result["reloaded"] = {
+        name: (sp.mask.placements == sp.param.placements, sp.mask.full_tensor(),
+               sp.param.detach().full_tensor())
+        for name, sp in again.sparse_params.items()
+    }
+    torch.save(result, Path(out) / f"{kind}-rank{rank}.pt")
 
 
 def _free_port() -> int:
@@ -118,8 +136,11 @@ def sharded_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_fsdp2_matches_single_process(sharded_results: Path, kind: str) -> None:
     tmp_path = sharded_results
     reference = _model()
-    _train(reference, kind, None, 1)
-    expected = reference.state_dict()
+    algorithm = _train(reference, kind, None, 1)
+    expected = {
+        **reference.state_dict(),
+        **{f"{n}_mask": sp.mask for n, sp in algorithm.sparse_params.items()},
+    }
     ranks = [torch.load(tmp_path / f"{kind}-rank{r}.pt", weights_only=False) for r in range(2)]
     for result in ranks:
         assert set(result["state"]) == set(expected)
@@ -131,6 +152,12 @@ def test_fsdp2_matches_single_process(sharded_results: Path, kind: str) -> None:
                 torch.testing.assert_close(got, value, rtol=1e-9, atol=1e-11, msg=key)
         for name, (local_numel, numel) in result["local_mask_numel"].items():
             assert local_numel == numel // 2, f"{name}: a rank holds {local_numel} of {numel}"
+        assert result["sparsity"]["masks"].keys() == algorithm.state_dict()["masks"].keys()
+        for name, packed in algorithm.state_dict()["masks"].items():
+            assert torch.equal(result["sparsity"]["masks"][name], packed), name
+            sharded, mask, weight = result["reloaded"][name]
+            assert sharded and torch.equal(mask, expected[f"{name}_mask"]), name
+            assert torch.equal(weight, result["state"][name]), name
 
 
 def test_lightning_model_parallel_strategy_fsdp2(tmp_path: Path) -> None:

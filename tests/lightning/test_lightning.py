@@ -9,8 +9,15 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_sparse import GMP, SET, Group, RigL, Static, configure
-from tests.helpers import TinyLM, assert_state_equal, repeated_batch_loader, token_loader, trainer
+from lightning_sparse import GMP, SET, GraNet, Group, RigL, Static, configure
+from tests.helpers import (
+    TinyLM,
+    assert_state_equal,
+    full_state,
+    repeated_batch_loader,
+    token_loader,
+    trainer,
+)
 
 SPARSE = ["net.fc1.weight", "net.fc2.weight"]
 
@@ -89,6 +96,7 @@ def _fit(
         enable_checkpointing=bool(save_every),
     )
     t.fit(module, repeated_batch_loader(), ckpt_path=ckpt)
+    module.optimizer_state = t.optimizers[0].state_dict()  # type: ignore[assignment]
     return module, callback
 
 
@@ -103,22 +111,29 @@ def _fit(
         ),
         lambda: RigL(sparsity=0.7, update={"freq": 3}),
         lambda: GMP(sparsity=[0.3, 0.5, 0.7], update={"steps": [0, 3, 6]}),
+        lambda: GraNet({"type": "cubic", "init": 0.3, "final": 0.7, "begin": 0, "end": 6},
+                       update={"freq": 3}),
+        lambda: Group({"net.fc1.*": Static(0.5), "net.fc2.*": RigL(0.7, update={"freq": 3})}),
     ],
-    ids=["static", "set", "rigl", "gmp-cycling"],
+    ids=["static", "set", "rigl", "gmp-cycling", "granet", "group"],
 )
 def test_resume_is_bit_exact(tmp_path: Path, make) -> None:
-    """Resuming from a mid-run checkpoint gives the weights and masks of an uninterrupted run."""
+    """Resuming from a mid-run checkpoint gives the weights, masks and optimizer state of an
+    uninterrupted run; the checkpoint's masks are the callback's (packed), not model state."""
     full, full_cb = _fit(tmp_path / "a", make, steps=8, accumulate=2)
-    _fit(tmp_path / "b", make, steps=4, save_every=4, accumulate=2)
+    _, mid_cb = _fit(tmp_path / "b", make, steps=4, save_every=4, accumulate=2)
     ckpt = tmp_path / "b" / "ckpt" / "last.ckpt"
-    saved = torch.load(ckpt, weights_only=False)
-    assert "net.fc1.weight_mask" in saved["state_dict"]
+    saved = torch.load(ckpt, weights_only=True)
+    assert not [k for k in saved["state_dict"] if k.endswith("_mask")]
+    assert type(mid_cb).__name__ not in saved["callbacks"]
+    assert_state_equal(saved["sparsity"][type(mid_cb).__name__], mid_cb.state_dict())
     resumed, resumed_cb = _fit(tmp_path / "c", make, steps=8, ckpt=str(ckpt), accumulate=2)
     for (name, a), (_, b) in zip(
-        full.state_dict().items(), resumed.state_dict().items(), strict=True
+        full_state(full).items(), full_state(resumed).items(), strict=True
     ):
-        assert torch.equal(a, b), name
+        assert torch.equal(a, b), name  # weights and masks
     assert_state_equal(resumed_cb.state_dict(), full_cb.state_dict())
+    assert_state_equal(resumed.optimizer_state, full.optimizer_state)
 
 
 def test_group_and_configure_result_as_callbacks(tmp_path: Path) -> None:

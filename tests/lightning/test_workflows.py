@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_sparse import Static
 from lightning_sparse.app.cli import RECIPES_DIR
 from lightning_sparse.app.cli import run as cli_run
+from lightning_sparse.core.state_dict import checkpoint_masks
 from lightning_sparse.data import ByteTextDataModule
 from lightning_sparse.lightning import (
     FlopCounter,
@@ -104,8 +105,10 @@ def test_variable_spdf_resume_after_the_switch_is_exact(tmp_path: Path) -> None:
 
     full, full_counter = fit(tmp_path / "a", 7)
     fit(tmp_path / "b", 5, save=True)
-    saved = torch.load(tmp_path / "b" / "last.ckpt", weights_only=False)
-    assert saved["state_dict"]["net.fc1.weight_mask"].all()  # all-ones: resumes dense
+    saved = torch.load(tmp_path / "b" / "last.ckpt", weights_only=True)
+    assert not [k for k in saved["state_dict"] if k.endswith("_mask")]  # dense weights only
+    static = saved["sparsity"]["Static"]
+    assert static["removed"] and static["params"] == {}  # a removed algorithm: prunes nothing
     resumed, resumed_counter = fit(tmp_path / "c", 7, ckpt=str(tmp_path / "b" / "last.ckpt"))
     assert _masks(resumed) == []
     for (name, a), (_, b) in zip(
@@ -124,7 +127,10 @@ def test_chained_runs_load_sparse_weights_dense_and_count_both_stages(tmp_path: 
     stage1.fit(sparse_module, token_loader())
     ckpt = tmp_path / "sparse.ckpt"
     stage1.save_checkpoint(ckpt)
-    assert "net.fc1.weight_mask" in torch.load(ckpt, weights_only=False)["state_dict"]
+    assert checkpoint_masks(torch.load(ckpt, weights_only=True)).keys() == {
+        "net.fc1.weight",
+        "net.fc2.weight",
+    }
 
     loader, counter, probe = LoadWeights(str(ckpt)), FlopCounter(str(ckpt), verbose=False), _Probe()
     dense_module = TinyLM()

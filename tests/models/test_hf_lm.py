@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from lightning_sparse.app import cli  # noqa: E402
+from lightning_sparse.core.state_dict import checkpoint_masks  # noqa: E402
 from lightning_sparse.models import LitCausalLM  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from tests.helpers import hf_llama_fields, one_torch_thread, trainer  # noqa: E402
@@ -184,11 +185,11 @@ def test_hf_llama_tiny_recipe_trains_through_the_cli(
     text = "def f(x):\n    return x + 1\n"
     assert saved(text)["input_ids"] == run.datamodule.tokenizer(text)["input_ids"]
     # Pruned weights are exactly zero in the last checkpoint.
-    state = torch.load(
-        Path(run.trainer.checkpoint_callback.dirpath, "last.ckpt"), weights_only=False
-    )["state_dict"]
-    masks = {k: v for k, v in state.items() if k.endswith("_mask")}
-    assert len(masks) == 14
-    for key, mask in masks.items():
-        weight = state[key.removesuffix("_mask")]
+    saved = torch.load(
+        Path(run.trainer.checkpoint_callback.dirpath, "last.ckpt"), weights_only=True
+    )
+    state, masks = saved["state_dict"], checkpoint_masks(saved)
+    assert len(masks) == 14 and not [k for k in state if k.endswith("_mask")]
+    for name, mask in masks.items():
+        weight = state[name]
         assert torch.equal(weight[~mask], torch.zeros_like(weight[~mask]))

@@ -88,6 +88,9 @@ def run(out: Path, distributed: bool) -> None:
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
         for k, v in module.state_dict().items()
     }
+    for name, sp in callback.sparse_params.items():  # the masks (non-persistent buffers)
+        mask = sp.mask.full_tensor() if hasattr(sp.mask, "full_tensor") else sp.mask
+        state[f"{name}_mask"] = mask.clone()
     sharded = {n: type(sp.mask).__name__ for n, sp in callback.sparse_params.items()}
     torch.save(
         {"state": state, "sharded": sharded, "step": callback.step},

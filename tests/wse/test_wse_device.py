@@ -36,6 +36,7 @@ from lightning_sparse.wse import (
 from tests.helpers import (  # one_thread: autouse fixture
     REPO,
     TinyLM,
+    full_state,
     one_thread,  # noqa: F401
     repeated_batch_loader,
     run_ddp_script,
@@ -130,7 +131,7 @@ def _fit(
     return {
         "losses": torch.stack(recorder.losses),
         "grads": recorder.grads,
-        "state": {k: v.clone() for k, v in module.state_dict().items()},
+        "state": full_state(module),
         "algorithm": algorithm,
         "trainer": trainer,
         "module": module,
@@ -291,13 +292,13 @@ def test_checkpoint_moves_between_cpu_and_wse(first: str, second: str, tmp_path:
     trainer.fit(module, repeated_batch_loader())
     path = tmp_path / "half.ckpt"
     trainer.save_checkpoint(path)
-    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    saved = full_state(module)
     assert not any(isinstance(m, WSELinear) for m in module.modules())
-    assert all(k in torch.load(path, weights_only=False)["state_dict"] for k in saved)
+    assert set(torch.load(path, weights_only=True)["state_dict"]) == set(module.state_dict())
 
     class Restored(pl.Callback):
         def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-            self.state = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.state = full_state(pl_module)
 
     resumed, restored = TinyLlamaLM(), Restored()
     trainer = _trainer(accelerator(second), [ALGORITHMS["rigl"](), restored], max_steps=STEPS)
@@ -305,11 +306,13 @@ def test_checkpoint_moves_between_cpu_and_wse(first: str, second: str, tmp_path:
     for key, value in saved.items():  # restored bit-exactly on the other accelerator
         assert torch.equal(restored.state[key], value), key
     straight = _fit("cpu", ALGORITHMS["rigl"], loader=repeated_batch_loader())["state"]
+    now = full_state(resumed)
+    assert now.keys() == straight.keys()
     for key, value in straight.items():  # and the rest of the run as if uninterrupted
         if key.endswith("_mask"):
-            assert torch.equal(resumed.state_dict()[key], value), key
+            assert torch.equal(now[key], value), key
         else:
-            torch.testing.assert_close(resumed.state_dict()[key], value, rtol=1e-9, atol=1e-12)
+            torch.testing.assert_close(now[key], value, rtol=1e-9, atol=1e-12)
 
 
 # ------------------------------------------------------------------ a cluster of two systems
@@ -445,7 +448,7 @@ def test_masked_conv_and_embedding_fall_back_to_dense_with_one_warning() -> None
             warnings.simplefilter("always")
             _trainer(accelerator, [algorithm], max_steps=6).fit(module, token_loader())
         ours = [str(w.message) for w in caught if "lightning_sparse.wse" in str(w.message)]
-        return {k: v.clone() for k, v in module.state_dict().items()}, ours
+        return full_state(module), ours
 
     cpu, none = fit("cpu")
     wse, warned = fit(_wse())
@@ -466,10 +469,14 @@ def test_predict_and_generate_from_a_sparse_checkpoint_run_in_csr(tmp_path: Path
         tiny = dict(vocab_size=16, dim=32, n_layers=2, n_heads=4, max_seq_len=16)
         return LitCausalLM(**tiny, max_new_tokens=6, temperature=0.0).double()
 
-    module = lit()
-    module.apply(Static(0.8, param_filter="*layers.*_proj.weight"))
+    module, sparsity = lit(), Static(0.8, param_filter="*layers.*_proj.weight")
+    module.apply(sparsity)
     path = tmp_path / "sparse.ckpt"
-    checkpoint = {"state_dict": module.state_dict(), "pytorch-lightning_version": pl.__version__}
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "sparsity": {"Static": sparsity.state_dict()},
+        "pytorch-lightning_version": pl.__version__,
+    }
     torch.save(checkpoint, path)  # what a sparse run's checkpoint holds for inference
     prompts = torch.randint(0, 16, (2, 5), generator=torch.Generator().manual_seed(3))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(prompts), batch_size=1)
@@ -487,10 +494,10 @@ def test_predict_and_generate_from_a_sparse_checkpoint_run_in_csr(tmp_path: Path
     assert stats.total_rebuilds == 14
 
     # Without the algorithm: register the checkpoint's masks, load, generate batch-1 on the device.
-    state = torch.load(path, weights_only=False)["state_dict"]
+    saved = torch.load(path, weights_only=True)
     plain = lit()
-    assert len(register_masks(plain, state)) == 14
-    plain.load_state_dict(state)
+    assert len(register_masks(plain, saved)) == 14
+    plain.load_state_dict(saved["state_dict"])
     reference = generate(plain.model, prompts[:1], 6, 16, temperature=0.0)
     with on_wse(plain, path=PATH) as executor:
         tokens = plain.model.generate(prompts[:1], max_new_tokens=6, temperature=0.0)

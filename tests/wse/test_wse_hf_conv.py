@@ -20,6 +20,7 @@ from lightning_sparse.wse import install_executor, on_wse
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.executor import _STATE
 from lightning_sparse.wse.kernels import compiled_available
+from tests.helpers import full_state, mask_buffers
 
 PATH = "compiled" if compiled_available() else "torch"
 
@@ -194,7 +195,7 @@ def test_gpt2_rigl_training_on_the_device_equals_the_cpu() -> None:
                 m.p = 0.0
         rigl = RigL(0.8, update={"freq": 2}, drop_fraction=0.5, seed=1)
         model.apply(rigl)
-        initial = {k: v.clone() for k, v in model.state_dict().items() if k.endswith("_mask")}
+        initial = mask_buffers(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         rigl.apply(optimizer)
         executor = install_executor(model, path=PATH) if on_device else None
@@ -207,7 +208,7 @@ def test_gpt2_rigl_training_on_the_device_equals_the_cpu() -> None:
         if executor is not None:
             assert len(executor.layers) == 9  # 8 Conv1D + lm_head
             executor.remove()
-        runs.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        runs.append(full_state(model))
         assert any(not torch.equal(v, runs[-1][k]) for k, v in initial.items())  # RigL moved
     cpu, wse = runs
     assert cpu.keys() == wse.keys()

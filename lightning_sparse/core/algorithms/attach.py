@@ -255,7 +255,8 @@ def commit(algorithm: SparsityAlgorithm, root: nn.Module, sps: list[SparseParame
 
 
 def apply_model(algorithm: SparsityAlgorithm, root: nn.Module) -> None:
-    """``algorithm.apply(root)``: select, validate, build masks, then attach."""
+    """``algorithm.apply(root)``: select, validate, build masks, then attach; a failure leaves
+    the algorithm's settings as they were (`settings_of`)."""
     chosen = select(algorithm, root)
     if not chosen:
         warnings.warn(
@@ -264,9 +265,27 @@ def apply_model(algorithm: SparsityAlgorithm, root: nn.Module) -> None:
             "model.named_parameters()",
             stacklevel=4,
         )
-    validate(algorithm, chosen)
-    algorithm.seed = resolve_seed(algorithm.seed)
-    commit(algorithm, root, register(algorithm, root, chosen, build_masks(algorithm, chosen)))
+    before = settings_of(algorithm)
+    try:
+        validate(algorithm, chosen)
+        algorithm.seed = resolve_seed(algorithm.seed)
+        sps = register(algorithm, root, chosen, build_masks(algorithm, chosen))
+    except BaseException:
+        reset_settings(algorithm, before)
+        raise
+    commit(algorithm, root, sps)
+
+
+def settings_of(algorithm: SparsityAlgorithm) -> tuple[Any, ...]:
+    """What `validate` and seeding set on ``algorithm`` before its masks exist: the seed, the
+    [in, out] parameters and the layer shapes of the distribution."""
+    return algorithm.seed, algorithm.in_out_params, dict(algorithm.layers.shapes)
+
+
+def reset_settings(algorithm: SparsityAlgorithm, settings: tuple[Any, ...]) -> None:
+    """Undo what a refused ``apply`` set (`settings_of`)."""
+    algorithm.seed, algorithm.in_out_params, shapes = settings
+    algorithm.layers.set_shapes(shapes)
 
 
 def check_optimizer(algorithm: SparsityAlgorithm, optimizer: torch.optim.Optimizer) -> None:

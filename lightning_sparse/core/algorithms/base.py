@@ -109,6 +109,7 @@ class SparsityAlgorithm(ABC):
         self.unlogged_update = False
         self.last_update_step = -1
         self.mask_targets: dict[str, float] = {}
+        self.removed = False  # remove() ran (densify): its state prunes nothing when loaded
         # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `attach.validate`. The
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
@@ -259,11 +260,13 @@ class SparsityAlgorithm(ABC):
     register_computed_sparsity_hook = Observers.register_computed_sparsity_hook
     overall_sparsity = report.overall_sparsity
 
-    # Checkpoints (`checkpoint.py`): step, seed and identity; masks are model buffers.
+    # Checkpoints (`checkpoint.py`): step, seed, identity and the masks (packed bits); the
+    # mask buffers are non-persistent, so model.state_dict() holds the pruned weights only.
     config = checkpoint.algorithm_config
     state_dict = checkpoint.algorithm_state
     load_state_dict = checkpoint.load_algorithm_state
     check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
+    model_loaded = checkpoint.model_loaded  # and its load post-hook
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""
@@ -272,6 +275,7 @@ class SparsityAlgorithm(ABC):
             sp.remove_mask()
         attach.unregister(self)
         self.sparse_params.clear()
+        self.removed = True
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"

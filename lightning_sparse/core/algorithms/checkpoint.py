@@ -1,26 +1,41 @@
-"""Checkpoints: the algorithm's own state, and masks arriving with a model state dict.
+"""Checkpoints: the algorithm's state (masks included), and a model state dict arriving.
 
-An algorithm checkpoint holds the step (and the step of the last update), the seed, and what
-identifies the run it came from (algorithm, parameters and shapes, hyper-parameters), so a
-checkpoint of another algorithm or configuration is refused before anything changes. Masks are
-``<param>_mask`` buffers in the model's state dict. Earlier versions' states (``step``,
-``mask_targets``, schedule state) still load.
+``state_dict()`` holds the step (and the step of the last update), the seed, what identifies the
+run (algorithm, parameters and shapes, hyper-parameters) and the masks, 1 bit per element
+(`bitpack`; a sharded mask is gathered first). It is the one saved copy of the masks: the mask
+buffers are non-persistent, so ``model.state_dict()`` holds only the weights, pruned ones 0.
+``load_state_dict`` checks everything before it changes anything, then copies the masks in place,
+prunes, and makes the per-step path prune gradients and optimizer state again.
+
+Model and sparsity state load in either order, bit-exactly. Loading a model state dict prunes
+the weights with the current masks at once (pruned weights are 0 at every moment); the values it
+zeroed are kept aside (packed positions and values, on the CPU) until the next step, so that a
+sparsity state loaded next, whose masks keep some of them, puts them back.
+
+Earlier versions saved masks as ``<param>_mask`` entries of the model state dict: the model's
+load pre-hook checks them and adopts them as the masks (and removes them from the dict, so strict
+loading passes); their algorithm states (no ``"masks"``) still load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from ..bitpack import pack_bits, unpack_bits
+from ..sharding import full, local, shard_like
+from ..sparse_parameter import SparseParameter, as_mask
 from .attach import algorithms_of
 
 if TYPE_CHECKING:
     from .base import SparsityAlgorithm
 
 
+# ---------------------------------------------------------------------- a model state dict loads
 def mask_paths(root: nn.Module) -> dict[tuple[int, str], str]:
     """``{(id(module), mask buffer name): state-dict key below root}`` for the masks' current
     place: a wrapper that moved a layer (peft's ``q_proj`` -> ``q_proj.base_layer``) moves its
@@ -40,58 +55,100 @@ def check_incoming_masks(
     prefix: str,
     *hook_args: Any,
 ) -> None:
-    """Check (and complete) the ``*_mask`` entries of ``state_dict`` before ``root`` loads it.
+    """The model's load pre-hook: take the ``*_mask`` entries of an earlier version's state dict.
 
-    A checkpoint without a mask for one of ``algorithm``'s parameters (a dense checkpoint) gets
-    the current mask, so strict loading succeeds and the post-load hook prunes the loaded
-    weights. Raises ``ValueError``, before anything is loaded, for a mask of the wrong shape, a
-    non-0/1 mask, or a mask for a parameter that no algorithm on ``root`` sparsifies.
+    Each entry for one of ``algorithm``'s parameters is checked (shape, 0/1) and moved out of
+    ``state_dict`` (torch passes a copy) into ``algorithm.hooks.incoming_masks``; the post-load
+    hook (`model_loaded`) makes it the mask. Raises ``ValueError``, before anything is loaded,
+    for a mask of the wrong shape, a non-0/1 mask, or a mask for a parameter that no algorithm
+    on ``root`` sparsifies.
 
     Args:
         algorithm: the algorithm whose masks are checked.
         root: the module the algorithm was applied to (``state_dict`` keys start at it).
-        state_dict: the dict being loaded (torch passes a copy; it is completed in place).
+        state_dict: the dict being loaded.
         prefix: key prefix of ``root`` inside ``state_dict``.
         hook_args: the rest of ``nn.Module``'s load pre-hook arguments (unused).
     """
+    algorithm.hooks.incoming_masks = {}
     paths = mask_paths(root)
+
+    def key_of(name: str, sp: SparseParameter) -> str:
+        return f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
+
+    incoming = {}
+    fix = "the checkpoint was saved from a different model configuration"
     for name, sp in algorithm.sparse_params.items():
-        key = f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
-        if key not in state_dict:
-            state_dict[key] = sp.mask.clone()
-            continue
-        incoming = state_dict[key]
-        if tuple(incoming.shape) != tuple(sp.mask.shape):
-            raise ValueError(
-                f"checkpoint mask {key!r} has shape {tuple(incoming.shape)} but parameter "
-                f"{name!r} has shape {tuple(sp.mask.shape)}; the checkpoint was saved from a "
-                "different model configuration"
-            )
-        if incoming.dtype != torch.bool:
-            if not bool(((incoming == 0) | (incoming == 1)).all()):
-                raise ValueError(f"checkpoint mask {key!r} must hold only 0/1 or bool values")
-            state_dict[key] = incoming.to(torch.bool)
-    claimed = {
-        f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
-        for other in (algorithms_of(root) or [algorithm])
-        for name, sp in other.sparse_params.items()
-    }
+        key = key_of(name, sp)
+        if key in state_dict:
+            incoming[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
+    claimed = {key_of(n, sp) for a in (algorithms_of(root) or [algorithm])
+               for n, sp in a.sparse_params.items()}
     params = {f"{prefix}{n}" for n, _ in root.named_parameters()}
-    foreign = [
-        k
-        for k in state_dict
-        if k.startswith(prefix)
-        and k.endswith("_mask")
-        and k[: -len("_mask")] in params
-        and k not in claimed
-    ]
+    foreign = [k for k in state_dict if k.startswith(prefix) and k.endswith("_mask")
+               and k[: -len("_mask")] in params and k not in claimed]
     if foreign:
         raise ValueError(
             f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
             "dense; include those parameters in param_filter, or drop the keys to load them dense"
         )
+    for name, (key, mask) in incoming.items():
+        del state_dict[key]
+        algorithm.hooks.incoming_masks[name] = mask
 
 
+@dataclass
+class PrunedAtLoad:
+    """Weight values a model load zeroed at positions its mask prunes, for a sparsity state
+    loaded next (`model_loaded`). ``version``: the parameter's version counter after pruning
+    (a write since makes them stale)."""
+
+    param: torch.Tensor
+    version: int
+    positions: torch.Tensor  # packed bits of the zeroed positions (this rank's shard)
+    values: torch.Tensor  # their values, in order
+
+
+def model_loaded(algorithm: SparsityAlgorithm) -> None:
+    """After a model state dict loaded: adopt the masks it brought (`check_incoming_masks`),
+    keep aside the values pruning will zero where it brought none, then prune."""
+    incoming, algorithm.hooks.incoming_masks = algorithm.hooks.incoming_masks, {}
+    unpruned = algorithm.hooks.unpruned
+    with torch.no_grad():
+        for name, sp in algorithm.sparse_params.items():
+            unpruned.pop(name, None)
+            mask = incoming.get(name)
+            if mask is not None:
+                sp.mask.copy_(shard_like(mask.to(sp.mask.device), sp.mask))
+            else:
+                kept = _values_pruning_zeroes(sp)
+                if kept is not None:
+                    unpruned[name] = kept
+            sp.prune_()
+            if name in unpruned:
+                unpruned[name].version = local(sp.param)._version
+
+
+def _values_pruning_zeroes(sp: SparseParameter) -> PrunedAtLoad | None:
+    """The nonzero (or -0.0) weight entries at pruned positions (one host sync), or None."""
+    weight, mask = local(sp.param.detach()), local(sp.mask)
+    positions = ~mask & (weight.ne(0) | weight.signbit())
+    values = weight[positions]
+    if values.numel() == 0:
+        return None
+    return PrunedAtLoad(sp.param, 0, pack_bits(positions).cpu(), values.cpu())
+
+
+def _put_back_(sp: SparseParameter, kept: PrunedAtLoad | None) -> None:
+    """Write back the values a model load zeroed, unless the weight changed since."""
+    if kept is None or kept.param is not sp.param or kept.version != local(sp.param)._version:
+        return
+    weight = local(sp.param.data)
+    positions = unpack_bits(kept.positions, weight.shape).to(weight.device)
+    weight.masked_scatter_(positions, kept.values.to(weight.device))
+
+
+# ---------------------------------------------------------------------- the algorithm's state
 def algorithm_config(algorithm: SparsityAlgorithm) -> dict[str, str]:
     """What a checkpoint must agree on to be resumed by ``algorithm`` (reprs that are stable
     across processes)."""
@@ -106,7 +163,9 @@ def algorithm_config(algorithm: SparsityAlgorithm) -> dict[str, str]:
 
 
 def algorithm_state(algorithm: SparsityAlgorithm) -> dict[str, Any]:
-    """What ``algorithm.state_dict()`` returns (plain Python values and bool tensors)."""
+    """What ``algorithm.state_dict()`` returns: plain Python values and tensors, loadable with
+    ``torch.load(weights_only=True)``. ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the
+    CPU, shapes in ``"params"`` (a sharded mask is all-gathered: call it on every rank)."""
     state: dict[str, Any] = {
         "step": algorithm.step,
         "last_update_step": algorithm.last_update_step,
@@ -114,6 +173,10 @@ def algorithm_state(algorithm: SparsityAlgorithm) -> dict[str, Any]:
         "algorithm": type(algorithm).__name__.lower(),
         "params": {name: list(sp.mask.shape) for name, sp in algorithm.sparse_params.items()},
         "config": algorithm.config(),
+        "masks": {
+            name: pack_bits(full(sp.mask)).cpu() for name, sp in algorithm.sparse_params.items()
+        },
+        "removed": algorithm.removed,
     }
     if algorithm.ever_active:
         state["ever_active"] = {n: m.clone() for n, m in algorithm.ever_active.items()}
@@ -133,15 +196,26 @@ def load_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
 
     Raises:
         ValueError / KeyError / TypeError: another algorithm, other parameters or shapes, other
-            hyper-parameters, a different explicit seed, or a malformed state; nothing changed.
+            hyper-parameters, a different explicit seed, a corrupt mask, masks for an algorithm
+            not applied to a model yet, or a malformed state; nothing changed.
     """
-    check_algorithm_state(algorithm, state)
+    check_loadable(algorithm, state)
     restore_algorithm_state(algorithm, state)
+
+
+def check_loadable(algorithm: SparsityAlgorithm, state: Any) -> None:
+    """`check_algorithm_state`, and masks need an applied algorithm (they have nowhere to go)."""
+    check_algorithm_state(algorithm, state)
+    if algorithm.root is None and state.get("masks"):
+        raise ValueError(f"{algorithm.name}: the sparsity state holds masks but the algorithm "
+                         "is not applied to a model; call apply(model) first, then "
+                         "load_state_dict")
 
 
 def check_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
     """Raise (see `load_algorithm_state`) unless ``state`` can be restored into ``algorithm``;
-    changes nothing, so a `Group` checks every member before any loads."""
+    changes nothing, so a `Group` checks every member before any loads. Before ``apply`` the
+    masks are checked against the shapes the state records."""
     owner = algorithm.name
     if not isinstance(state, Mapping):
         raise TypeError(f"{owner}: sparsity state must be the dict state_dict() returned, got "
@@ -156,6 +230,9 @@ def check_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
         raise ValueError(f"{owner}: the checkpoint holds {state['algorithm']!r} state, not "
                          f"{kind!r}; resume with the algorithm that wrote it")
     # A state without parameters comes from a removed (densified) algorithm: VariableSPDF.
+    if state.get("removed") and state.get("masks"):
+        raise ValueError(f"{owner}: the sparsity state of a removed algorithm holds masks; the "
+                         "checkpoint is corrupt")
     if state.get("params") and algorithm.sparse_params:
         ours = {name: list(sp.mask.shape) for name, sp in algorithm.sparse_params.items()}
         theirs = {name: list(shape) for name, shape in state["params"].items()}
@@ -188,6 +265,37 @@ def check_algorithm_state(algorithm: SparsityAlgorithm, state: Any) -> None:
             raise ValueError(f"{owner}: ever_active[{name!r}] has shape {shape}, "
                              f"the parameter {tuple(algorithm.ever_active[name].shape)}")
     mask_targets(algorithm, state)
+    saved_masks(algorithm, state)
+
+
+def saved_masks(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state's masks unpacked (bool, full shape, CPU): ``{}`` for an earlier version's state
+    (its masks came with the model state dict).
+
+    Raises:
+        ValueError: ``"masks"`` is not a dict of packed masks for exactly the state's parameters
+            (and, once applied, the algorithm's), or one is corrupt (`unpack_bits`).
+    """
+    masks = state.get("masks")
+    if masks is None:
+        return {}
+    owner = algorithm.name
+    shapes = state.get("params")
+    if not isinstance(masks, Mapping) or not isinstance(shapes, Mapping):
+        raise ValueError(f"{owner}: sparsity state 'masks' and 'params' must be dicts keyed by "
+                         "parameter name; pass what state_dict() returned")
+    if set(masks) != set(shapes):
+        differ = sorted(set(masks) ^ set(shapes))
+        raise ValueError(f"{owner}: sparsity state has masks for other parameters than its "
+                         f"'params' (differing: {differ[:3]}); the checkpoint is corrupt")
+    out = {}
+    for name, packed in masks.items():
+        try:
+            out[name] = unpack_bits(packed, shapes[name])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{owner}: sparsity state masks[{name!r}]: {err}; the checkpoint "
+                             "is corrupt, resume from another one") from None
+    return out
 
 
 def mask_targets(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> dict[str, float]:
@@ -206,13 +314,29 @@ def mask_targets(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> dict
 
 
 def restore_algorithm_state(algorithm: SparsityAlgorithm, state: Mapping[str, Any]) -> None:
-    """Restore a ``state`` that `check_algorithm_state` accepted."""
+    """Restore a ``state`` that `check_algorithm_state` accepted: counters and seed; the masks
+    in place (all ones for the state of a removed algorithm, VariableSPDF's dense stage: it
+    prunes nothing), the weights a model load zeroed put back, then pruned; gradients and
+    optimizer state pruned before the next step."""
     targets = mask_targets(algorithm, state)
+    masks = saved_masks(algorithm, state)
+    removed = bool(state.get("removed"))
     algorithm.step = state["step"]
     algorithm.last_update_step = state.get("last_update_step", -1)
     algorithm.seed = state.get("seed", algorithm.seed)
     for name, mask in state.get("ever_active", {}).items():
         if name in algorithm.ever_active:
             algorithm.ever_active[name].copy_(mask)
+    unpruned, algorithm.hooks.unpruned = algorithm.hooks.unpruned, {}
+    with torch.no_grad():
+        for name, sp in algorithm.sparse_params.items():
+            if name not in masks and not removed:
+                continue  # an earlier version's state: the masks came with the model
+            _put_back_(sp, unpruned.get(name))
+            if removed:
+                sp.mask.fill_(True)
+            else:
+                sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
+            sp.prune_()
     algorithm.mask_targets.update(targets)
     algorithm.hooks.version += 1

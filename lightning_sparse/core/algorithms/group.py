@@ -118,18 +118,21 @@ class Group:
         if self.root is not None:
             raise RuntimeError(f"{self.name} is already applied to a model")
         routed = self.route(obj)
-        for algorithm, chosen in zip(self, routed, strict=True):
-            attach.validate(algorithm, chosen)  # every member before any is touched
-        for algorithm in self:
-            algorithm.seed = resolve_seed(algorithm.seed)
-        masks = [attach.build_masks(a, chosen) for a, chosen in zip(self, routed, strict=True)]
+        before = [attach.settings_of(a) for a in self]
         done: list[tuple[SparsityAlgorithm, list]] = []
         try:
+            for algorithm, chosen in zip(self, routed, strict=True):
+                attach.validate(algorithm, chosen)  # every member before any is touched
+            for algorithm in self:
+                algorithm.seed = resolve_seed(algorithm.seed)
+            masks = [attach.build_masks(a, c) for a, c in zip(self, routed, strict=True)]
             for algorithm, chosen, built in zip(self, routed, masks, strict=True):
                 done.append((algorithm, attach.register(algorithm, obj, chosen, built)))
         except BaseException:
             for algorithm, sps in done:
                 attach.unregister_params(algorithm, sps)
+            for algorithm, settings in zip(self, before, strict=True):
+                attach.reset_settings(algorithm, settings)
             raise
         for algorithm, sps in done:
             attach.commit(algorithm, obj, sps)
@@ -324,7 +327,7 @@ class Group:
                 f"{len(self.members)}; the checkpoint was made with a different configuration"
             )
         for algorithm, state in zip(self, states, strict=True):  # all members before any loads
-            checkpoint.check_algorithm_state(algorithm, state)
+            checkpoint.check_loadable(algorithm, state)
         before = [a.state_dict() for a in self]  # a member's own load_state_dict may check more
         try:
             for algorithm, state in zip(self, states, strict=True):

@@ -21,11 +21,14 @@ masks in the state dict) load as before.
 
 from __future__ import annotations
 
+import os
+import pickle
 from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.cloud_io import _load as pl_load
 
 from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
 from lightning_sparse.core.init_methods import INIT_METHODS
@@ -34,6 +37,7 @@ from lightning_sparse.core.schedules import Constant
 __all__ = [
     "SparsityCallback",
     "check_accelerator",
+    "check_resumable",
     "find_sparsity_state",
     "save_sparsity_state",
     "sparsity_hparams",
@@ -57,6 +61,8 @@ class SparsityCallback(pl.Callback):
         check_accelerator(trainer)
         if trainer.max_steps and trainer.max_steps > 0:
             self.check_range(trainer.max_steps)
+        if trainer.ckpt_path and self.root is None:  # set before fit (trainer.ckpt_path = ...)
+            check_resumable(trainer, trainer.ckpt_path)
         if not _shards_in_configure_model(trainer):
             self._apply_once(pl_module)
 
@@ -140,6 +146,33 @@ def save_sparsity_state(checkpoint: dict[str, Any], key: str) -> None:
     state = (checkpoint.get("callbacks") or {}).pop(key, None)
     if state is not None:
         checkpoint.setdefault(STATE_KEY, {})[key] = state
+
+
+def check_resumable(trainer: pl.Trainer, path: str | os.PathLike[str]) -> None:
+    """Raise unless every sparsity callback of ``trainer`` can resume checkpoint ``path``:
+    another callback's state (a SET run resumed with RigL) or other settings are refused here,
+    before anything changes.
+
+    ``trainer.fit(model, ckpt_path=path)`` refuses the same checkpoints, but Lightning loads the
+    weights into the model before any callback sees the checkpoint, so by then the model holds the
+    checkpoint's weights; call this first to keep it as it was (``lightning-sparse fit`` does).
+    The file is read with ``weights_only=True``; one that cannot be read so is left to
+    Lightning's own loading, which reports it.
+    """
+    try:
+        checkpoint = pl_load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, OSError, RuntimeError, EOFError):
+        return
+    if not isinstance(checkpoint, Mapping):
+        return
+    for callback in trainer.callbacks:
+        if not isinstance(callback, SparsityCallback) or callback.root is not None:
+            continue
+        state = find_sparsity_state(checkpoint, callback.state_key, path)
+        if state is None:  # an earlier version's layout: under checkpoint["callbacks"]
+            state = (checkpoint.get("callbacks") or {}).get(callback.state_key)
+        if state is not None:
+            callback.check_state_dict(state)  # type: ignore[attr-defined]
 
 
 def find_sparsity_state(

@@ -33,6 +33,7 @@ from lightning_sparse import (
     restore_masks,
 )
 from lightning_sparse.core.state_dict import checkpoint_masks, mask_keys
+from lightning_sparse.lightning.callback import check_resumable
 from lightning_sparse.models import LitCausalLM
 from tests.helpers import (  # noqa: F401  (one_thread: autouse fixture)
     TinyLM,
@@ -245,15 +246,38 @@ def test_resume_with_the_callback_equals_the_uninterrupted_run(
 
 
 def test_resuming_with_another_algorithm_is_refused_naming_both(trained, tmp_path: Path) -> None:
-    """A SET checkpoint resumed with RigL: RigL would start from step 0 at global step 5."""
-    callback = rigl()
+    """A SET checkpoint resumed with RigL: RigL would start from step 0 at global step 5. Lightning
+    loads the weights before any callback sees the checkpoint, so ``fit`` refuses after that, with
+    the algorithm unchanged; `check_resumable` refuses before anything changes."""
+    callback, module = rigl(), EvalLM()
+    fit = trainer(tmp_path, max_steps=7, callbacks=[callback])
+    before = full_state(module)
     with pytest.raises(ValueError, match=r"sparsity state of SET but none of RigL.*LoadWeights"):
-        trainer(tmp_path, max_steps=7, callbacks=[callback]).fit(
-            EvalLM(), token_loader(), ckpt_path=trained["set"]["path"]
-        )
+        check_resumable(fit, trained["set"]["path"])
+    assert_state_equal(full_state(module), before)
+    assert callback.root is None and callback.step == 0 and not callback.sparse_params
+    with pytest.raises(ValueError, match=r"sparsity state of SET but none of RigL.*LoadWeights"):
+        fit.fit(module, token_loader(), ckpt_path=trained["set"]["path"])
     untouched = rigl()
     EvalLM().apply(untouched)
     assert_state_equal(callback.state_dict(), untouched.state_dict())  # as applied, no more
+
+
+def test_resuming_with_other_settings_is_refused_before_anything_changes(
+    trained, tmp_path: Path
+) -> None:
+    callback, module = RigL(0.7, update={"freq": 2}, seed=0), EvalLM()
+    fit = trainer(tmp_path, max_steps=7, callbacks=[callback])
+    before = full_state(module)
+    with pytest.raises(ValueError, match=r"made with sparsity=.*construct the algorithm"):
+        check_resumable(fit, trained["rigl"]["path"])
+    assert_state_equal(full_state(module), before)
+    assert callback.root is None and callback.step == 0
+    fit.ckpt_path = trained["rigl"]["path"]  # set before fit: refused at setup, before apply
+    with pytest.raises(ValueError, match=r"made with sparsity=.*construct the algorithm"):
+        fit.fit(module, token_loader())
+    assert_state_equal(full_state(module), before)
+    assert callback.root is None
 
 
 def test_an_old_checkpoint_keyed_by_class_is_refused_by_another_algorithm(tmp_path) -> None:

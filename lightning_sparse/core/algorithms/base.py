@@ -265,6 +265,7 @@ class SparsityAlgorithm(ABC):
     config = checkpoint.algorithm_config
     state_dict = checkpoint.algorithm_state
     load_state_dict = checkpoint.load_algorithm_state
+    check_state_dict = checkpoint.check_algorithm_state  # changes nothing; works before apply
     check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
     model_loaded = checkpoint.model_loaded  # and its load post-hook
 

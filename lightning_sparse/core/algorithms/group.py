@@ -314,9 +314,10 @@ class Group:
         """``{"groups": [member state, ...]}``."""
         return {"groups": [a.state_dict() for a in self]}
 
-    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Accepts ``{"groups": [...]}``, a list (Cerebras) or one member's dict; all members
-        load or none does."""
+    def _member_states(
+        self, state_dict: dict[str, Any] | list[dict[str, Any]]
+    ) -> list[dict[str, Any]]:
+        """One state per member from ``{"groups": [...]}``, a list (Cerebras) or one dict."""
         if isinstance(state_dict, Mapping):
             states = state_dict["groups"] if "groups" in state_dict else [state_dict]
         else:
@@ -326,6 +327,17 @@ class Group:
                 f"sparsity state has {len(states)} group(s) but this Group has "
                 f"{len(self.members)}; the checkpoint was made with a different configuration"
             )
+        return states
+
+    def check_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Raise unless every member could load its part of ``state_dict``; changes nothing."""
+        for algorithm, state in zip(self, self._member_states(state_dict), strict=True):
+            algorithm.check_state_dict(state)
+
+    def load_state_dict(self, state_dict: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Accepts ``{"groups": [...]}``, a list (Cerebras) or one member's dict; all members
+        load or none does."""
+        states = self._member_states(state_dict)
         for algorithm, state in zip(self, states, strict=True):  # all members before any loads
             checkpoint.check_loadable(algorithm, state)
         before = [a.state_dict() for a in self]  # a member's own load_state_dict may check more

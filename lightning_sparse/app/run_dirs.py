@@ -1,13 +1,17 @@
 """One directory per `lightning-sparse` run: ``<logger save_dir>/version_N`` (`plan_run_dir`).
 
 The run's logger files, ``summary.json``, ``config.yaml`` and checkpoints go there;
-``--ckpt_path last`` continues the newest run that has a ``last*.ckpt``. DDP workers Lightning
-starts parse the same command line; they take the launching process's decision from `RUN_ENV`.
+``--ckpt_path last`` continues the newest run that has a ``last*.ckpt``. A new run reserves its
+directory by creating it (``os.mkdir`` is atomic: of two runs started together in one directory,
+one gets ``version_N`` and the other moves on to ``version_N+1``). DDP workers Lightning starts
+parse the same command line; they take the launching process's decision from `RUN_ENV`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +21,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from lightning_sparse.app.common import as_list, class_of
+from lightning_sparse.app.errors import EXIT_FAILED, CLIError, describe_os_error
+from lightning_sparse.lightning.checkpointing import remove_stale_temporaries
 
-__all__ = ["RUN_ENV", "RunDir", "plan_run_dir"]
+__all__ = ["RUN_ENV", "RunDir", "plan_run_dir", "reserve"]
 
 # The run directory chosen by the launching process, for the DDP workers Lightning starts (they
 # parse the same command line and must not pick the next version_N).
@@ -34,10 +40,27 @@ class RunDir:
     resume: Path | None = None
     asked_to_resume: bool = False
     continues: bool = True  # fit continues in the resumed run's directory
+    reserved: bool = False  # this process created ``path`` (`reserve`)
 
     @property
     def path(self) -> Path:
         return self.root / f"version_{self.version}"
+
+    def release(self) -> None:
+        """Remove the directory `reserve` created, if nothing was written into it (a run that
+        failed before it started leaves no empty ``version_N``)."""
+        if self.reserved:
+            try:
+                self.path.rmdir()  # only an empty directory
+            except OSError:
+                pass
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Delete the partial checkpoint files that writers killed mid-write left in any run
+        under ``root`` (`lightning_sparse.lightning.checkpointing.remove_stale_temporaries`:
+        only its own, unheld temporaries); return their paths."""
+        versions = sorted(p for p in self.root.glob("version_*") if p.is_dir())
+        return [path for d in versions for path in remove_stale_temporaries(d, recursive=True)]
 
     def to_env(self) -> str:
         resume = str(self.resume) if self.resume else None
@@ -68,11 +91,15 @@ def plan_run_dir(
     ``version=N``) or ``save_dir`` of a `WandbLogger` (whose ``save_dir`` becomes the run
     directory). `ModelCheckpoint` dirpaths under the logger's ``save_dir`` (the recipes'
     ``outputs/<recipe>/checkpoints``), or unset, move into the run directory. ``N`` is one more
-    than the highest existing; with ``--ckpt_path last`` the newest ``last*.ckpt`` of the highest
-    version that has one is loaded, and ``fit`` continues in that version's directory. ``None``
+    than the highest existing, reserved by creating the directory (`reserve`); with
+    ``--ckpt_path last`` the newest ``last*.ckpt`` of the highest version that has one is loaded,
+    and ``fit`` continues in that version's directory. ``None``
     (nothing changed) without such a logger or when the logger's ``version`` is set (the run
     directory is then the user's choice). ``worker``: a DDP worker's `RUN_ENV` value, the
     launching process's decision.
+
+    Raises:
+        CLIError: the run directory cannot be created (no permission, a file in the way, ...).
     """
     loggers = [
         (entry, cls)
@@ -100,6 +127,8 @@ def plan_run_dir(
         run = _new_or_latest(root, asked)
         if subcommand != "fit" and run.resume is not None:  # evaluated, not continued
             run = RunDir(root, _new_or_latest(root, False).version, run.resume, asked, False)
+        if run.resume is None or not run.continues:
+            run = reserve(run)
     if asked and run.resume is not None:
         config.ckpt_path = str(run.resume)
     for entry, cls in loggers:
@@ -142,3 +171,32 @@ def _new_or_latest(root: Path, resume_last: bool) -> RunDir:
             if found:
                 return RunDir(root, version, found[-1], True)
     return RunDir(root, versions[0] + 1 if versions else 0, None, resume_last)
+
+
+def reserve(run: RunDir) -> RunDir:
+    """Create ``run.path``, or the first free ``version_M`` above it, and return that run.
+
+    ``os.mkdir`` either creates the directory or fails because it exists, atomically, so runs
+    started together in one directory each get their own version.
+
+    Raises:
+        CLIError: the directory cannot be created, naming it, the cause and the fix.
+    """
+    version = run.version
+    while True:
+        path = run.root / f"version_{version}"
+        try:
+            run.root.mkdir(parents=True, exist_ok=True)
+            os.mkdir(path)
+        except FileExistsError as err:
+            if not run.root.is_dir():
+                raise _cannot_create(err, path) from err
+            version += 1  # taken (by a run started at the same moment): the next one
+            continue
+        except OSError as err:
+            raise _cannot_create(err, path) from err
+        return dataclasses.replace(run, version=version, reserved=True)
+
+
+def _cannot_create(err: OSError, path: Path) -> CLIError:
+    return CLIError(describe_os_error(err, "cannot create the run directory", path), EXIT_FAILED)

@@ -124,7 +124,6 @@ class SparseCLI(LightningCLI):
                 # Lightning passes anonymous=None, which wandb >= 0.19 warns about on every run.
                 logger._wandb_init.pop("anonymous", None)
 
-
     def _run_subcommand(self, subcommand: str) -> None:
         try:
             super()._run_subcommand(subcommand)

@@ -142,6 +142,14 @@ def assert_state_equal(a: object, b: object, path: str = "state") -> None:
 
 
 REPO = Path(__file__).resolve().parents[1]
+# ModelZoo-format params files written for the tests (tests/fixtures/modelzoo/README.md).
+MODELZOO_FIXTURES = REPO / "tests" / "fixtures" / "modelzoo"
+# The published ModelZoo files, where the checkout has a `shared/compat` folder beside it (or where
+# $MODELZOO_PUBLISHED points). Optional: only the test that compares the fixtures with them reads
+# it, and it is skipped when the folder is absent.
+MODELZOO_PUBLISHED = Path(
+    os.environ.get("MODELZOO_PUBLISHED") or REPO.parent / "shared" / "compat" / "cerebras_modelzoo"
+)
 
 
 def hf_llama_fields(**overrides: Any) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def log_comparison_to_wandb(
     account, else offline. Returns the run's local directory."""
     import wandb
 
-    from lightning_sparse.app.cli import wandb_mode
+    from lightning_sparse.app.wandb_mode import wandb_mode
 
     columns = [
         "method",

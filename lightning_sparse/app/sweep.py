@@ -272,13 +272,13 @@ def final_metric(out_dir: Path, name: str) -> float | None:
 def _launch(argv: list[str]) -> str:
     """Run one point; returns ``"ok"`` or ``"failed: ..."``."""
     if Path(argv[0]).name == CLI_NAME:
-        from lightning_sparse.app.cli import main as cli_main
+        from lightning_sparse.app.command import run_command
 
         saved = sys.argv
         # LightningCLI warns when sys.argv holds other arguments (the sweep's) next to args=.
         sys.argv = [argv[0]]
         try:
-            cli_main(argv[1:])
+            run_command(argv[1:])  # as `lightning-sparse` itself runs it
         except SystemExit as exit_:  # argument errors exit from jsonargparse
             return f"failed: exit {exit_.code}"
         except Exception as error:  # one failed point must not end the sweep

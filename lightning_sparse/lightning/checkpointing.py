@@ -6,7 +6,14 @@ directory, flushes it to disk, and renames it over the target with ``os.replace`
 and Windows within one file system): a kill at any moment leaves either the previous checkpoint or
 the new one. A failed write (full disk, no permission) removes its temporary file, leaves the
 previous checkpoint intact and raises an ``OSError`` naming the checkpoint, the cause and the fix.
-Use it in a recipe::
+
+A writer killed before its rename leaves its temporary file behind
+(``.last.ckpt.<random>.partial.tmp``). Each save first removes such leftovers in its directory
+(`remove_stale_temporaries`; the ``lightning-sparse`` command also sweeps its run directories when
+a run starts): only files of this writer's naming pattern, and only those no live writer holds. A
+writer holds an exclusive ``flock`` on its temporary file from creation until after the rename
+(POSIX; the kernel drops it when the process dies), so two processes writing into one directory
+never remove each other's file. Use it in a recipe::
 
     trainer:
       plugins:
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -26,9 +34,18 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-__all__ = ["AtomicCheckpointIO"]
+try:
+    import fcntl
+except ImportError:  # Windows: an open file cannot be deleted, which protects a live writer
+    fcntl = None  # type: ignore[assignment]
 
-_TEMP_SUFFIX = ".tmp"
+__all__ = ["AtomicCheckpointIO", "remove_stale_temporaries"]
+
+_TEMP_SUFFIX = ".partial.tmp"
+# The temporary files this writer creates (`tempfile.mkstemp`: 8 random characters), and those of
+# earlier versions of it (``.<name>.ckpt.<random>.tmp``): nothing else is ever removed.
+_TEMPORARY = re.compile(r"\..+\.[a-z0-9_]{8}\.partial\.tmp")
+_EARLIER_TEMPORARY = re.compile(r"\..+\.ckpt\.[a-z0-9_]{8}\.tmp")
 _LOW_SPACE = 1 << 20  # bytes: below this much free space a failed write is a full disk
 _EDQUOT = getattr(errno, "EDQUOT", errno.ENOSPC)  # not defined on Windows
 # Messages of torch's zip writer (inline_container.cc) when the file stops taking bytes.
@@ -40,6 +57,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Remote paths (``s3://...``) go through Lightning's own writer unchanged.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: dict[Path, int] = {}  # temporary file -> descriptor holding its lock
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
@@ -63,7 +84,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         target = Path(path)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            _remove_stale_temporaries(target)
+            remove_stale_temporaries(target.parent)
         except OSError as err:
             raise _save_error(err, target) from err
         temporary = self.write_temporary(checkpoint, target)
@@ -74,36 +95,67 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             error = _save_error(err, target, renamed)
             temporary.unlink(missing_ok=True)
             raise error from err
+        finally:
+            self._release(temporary)
 
     def write_temporary(self, checkpoint: dict[str, Any], target: Path) -> Path:
         """Save to a new hidden file beside ``target`` and flush it to disk; return its path.
+
+        The file stays locked (`flock`, exclusive) until `save_checkpoint` has renamed it, so that
+        `remove_stale_temporaries` in another process leaves it alone.
 
         Raises:
             OSError: the file could not be created or written, from `_save_error`; the temporary
                 file is removed.
         """
+        fd, name = self._create_locked(target)
         try:
-            fd, name = tempfile.mkstemp(
-                dir=target.parent, prefix=f".{target.name}.", suffix=_TEMP_SUFFIX
-            )
-        except OSError as err:
-            raise _save_error(err, target) from err
-        try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(os.dup(fd), "wb") as f:  # the lock stays with ``fd``
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as err:
             if isinstance(err, RuntimeError) and not _is_write_failure(err):
-                Path(name).unlink(missing_ok=True)
+                self._discard(name)
                 raise  # not about the file (e.g. a tensor that cannot be serialised)
             error = _save_error(err, target)  # before the unlink: the partial file holds the space
-            Path(name).unlink(missing_ok=True)
+            self._discard(name)
             raise error from err
         except BaseException:
-            Path(name).unlink(missing_ok=True)
+            self._discard(name)
             raise
-        return Path(name)
+        return name
+
+    def _create_locked(self, target: Path) -> tuple[int, Path]:
+        """A new temporary file beside ``target``, locked; retried if a cleaner removed it between
+        its creation and the lock."""
+        while True:
+            try:
+                fd, name = tempfile.mkstemp(
+                    dir=target.parent, prefix=f".{target.name}.", suffix=_TEMP_SUFFIX
+                )
+            except OSError as err:
+                raise _save_error(err, target) from err
+            if fcntl is not None:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                except OSError:  # no locks on this file system: written unprotected
+                    pass
+                if os.fstat(fd).st_nlink == 0:  # removed before we held it: make another
+                    os.close(fd)
+                    continue
+            self._held[Path(name)] = fd
+            return fd, Path(name)
+
+    def _discard(self, temporary: Path) -> None:
+        temporary.unlink(missing_ok=True)
+        self._release(temporary)
+
+    def _release(self, temporary: Path) -> None:
+        """Drop the lock on ``temporary`` (renamed, removed, or left by an interrupted save)."""
+        fd = self._held.pop(temporary, None)
+        if fd is not None:
+            os.close(fd)
 
     def commit(self, temporary: Path, target: Path) -> None:
         """Rename ``temporary`` over ``target`` (atomic), then persist the directory entry."""
@@ -183,10 +235,50 @@ def _free_bytes(directory: Path) -> int | None:
         return None
 
 
-def _remove_stale_temporaries(target: Path) -> None:
-    """Delete temporaries of ``target`` left by a writer that was killed before its rename."""
-    for stale in target.parent.glob(f".{target.name}.*{_TEMP_SUFFIX}"):
-        stale.unlink(missing_ok=True)
+def remove_stale_temporaries(directory: str | os.PathLike, recursive: bool = False) -> list[Path]:
+    """Delete the temporary files an `AtomicCheckpointIO` writer left in ``directory`` (and its
+    subdirectories if ``recursive``) when it was killed before its rename; return their paths.
+
+    Only files named as this writer names them (``.<target>.<8 random>.partial.tmp``, or the
+    ``.<name>.ckpt.<8 random>.tmp`` of earlier versions) are considered, and only those that no
+    live writer holds locked: another process's checkpoint being written is never touched.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    candidates = directory.rglob(".*.tmp") if recursive else directory.glob(".*.tmp")
+    removed = []
+    for path in sorted(candidates):
+        own = _TEMPORARY.fullmatch(path.name) or _EARLIER_TEMPORARY.fullmatch(path.name)
+        if own and not path.is_symlink() and path.is_file() and _remove_if_unheld(path):
+            removed.append(path)
+    return removed
+
+
+def _remove_if_unheld(path: Path) -> bool:
+    """Remove ``path`` unless a live writer holds its lock (checked while holding it)."""
+    if fcntl is None:
+        try:
+            path.unlink()  # Windows refuses while the writer has it open
+        except OSError:
+            return False
+        return True
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return False  # gone already, or not ours to read
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live writer holds it
+        try:
+            path.unlink()
+        except OSError:
+            return False  # renamed by its writer just now, or not removable
+        return True
+    finally:
+        os.close(fd)
 
 
 def _fsync_directory(directory: Path) -> None:

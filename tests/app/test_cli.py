@@ -23,7 +23,8 @@ import torch
 import yaml
 from jsonargparse import Namespace
 
-from lightning_sparse.app import cli, compare
+from lightning_sparse.app import cli, common, compare, fit, quiet, run_dirs
+from lightning_sparse.app.wandb_mode import wandb_mode
 from lightning_sparse.core.state_dict import checkpoint_masks
 from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
 from tests.helpers import assert_state_equal
@@ -78,15 +79,15 @@ def finish(process: subprocess.Popen, timeout: float = 120) -> str:
 
 
 def test_no_arguments_fit_the_default_recipe() -> None:
-    assert cli.build_args([]) == ["fit", "--config", str(cli.DEFAULT_RECIPE)]
-    assert cli.build_args(["fit", "--trainer.max_steps", "5"])[:3] == [
+    assert fit.build_args([]) == ["fit", "--config", str(fit.DEFAULT_RECIPE)]
+    assert fit.build_args(["fit", "--trainer.max_steps", "5"])[:3] == [
         "fit",
         "--config",
-        str(cli.DEFAULT_RECIPE),
+        str(fit.DEFAULT_RECIPE),
     ]
-    assert cli.build_args(["validate"])[1:3] == ["--config", str(cli.DEFAULT_RECIPE)]
+    assert fit.build_args(["validate"])[1:3] == ["--config", str(fit.DEFAULT_RECIPE)]
     own = ["fit", "--config", "mine.yaml"]
-    assert cli.build_args(own) == own and cli.build_args(["fit", "-c", "x.yaml"]) == [
+    assert fit.build_args(own) == own and fit.build_args(["fit", "-c", "x.yaml"]) == [
         "fit",
         "-c",
         "x.yaml",
@@ -109,26 +110,70 @@ def test_compare_and_sweep_are_dispatched_before_lightning_cli(
         cli.main(["fitt"])
 
 
+def test_a_subcommand_is_a_line_in_the_table_and_a_module_with_main(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    for subcommand in common.SUBCOMMANDS:  # every entry names a module that has main(args)
+        assert callable(subcommand.main()), subcommand
+    assert [common.subcommand_for(a).name for a in ([], ["--config", "x.yaml"], ["test"])] == [
+        "fit",
+        "fit",
+        "test",
+    ]
+    assert common.subcommand_for(["nope"]) is None
+    # A new subcommand: its module and one Subcommand line.
+    module = type(sys)("lightning_sparse.app.hello")
+    module.main = lambda args: print(f"hello {args}")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "lightning_sparse.app.hello", module)
+    hello = common.Subcommand("hello", "hello", "say hello (hello --help)")
+    monkeypatch.setattr(common, "SUBCOMMANDS", (*common.SUBCOMMANDS, hello))
+    cli.main(["hello", "--name", "x"])
+    assert capsys.readouterr().out == "hello ['--name', 'x']\n"
+    with pytest.raises(SystemExit, match="hello .say hello: lightning-sparse hello --help"):
+        cli.main(["helo"])
+
+
+def test_names_imported_from_cli_before_the_split_still_resolve() -> None:
+    from lightning_sparse import lightning, recipes
+    from lightning_sparse.app import quiet as quiet_module
+    from lightning_sparse.app import wandb_mode as wandb_module
+
+    homes = {
+        common: ("DEBUG_ENV", "LIGHTNING_SUBCOMMANDS", "SUBCOMMAND_HELP"),
+        fit: ("DEFAULT_RECIPE", "SparseCLI", "build_args", "run"),
+        run_dirs: ("RunDir", "RUN_ENV", "plan_run_dir"),
+        quiet_module: ("quiet", "drop_zero_flops", "plain_model_summary"),
+        wandb_module: ("wandb_mode",),
+        recipes: ("RECIPES_DIR",),
+        lightning: ("ModelZooSparsity", "SparseRunSummary"),
+    }
+    for home, names in homes.items():
+        for name in names:
+            assert getattr(cli, name) is getattr(home, name), name
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        cli.nope  # noqa: B018
+
+
 def test_wandb_is_online_only_with_an_account(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "missing"))
-    assert cli.wandb_mode() == "offline"
+    assert wandb_mode() == "offline"
     netrc_file = tmp_path / "netrc"
     netrc_file.write_text("machine example.org login x password y\n")
     netrc_file.chmod(0o600)
     monkeypatch.setenv("NETRC", str(netrc_file))
-    assert cli.wandb_mode() == "offline"
+    assert wandb_mode() == "offline"
     netrc_file.write_text("machine api.wandb.ai login user password k3y\n")
-    assert cli.wandb_mode() == "online"
+    assert wandb_mode() == "online"
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.org")
-    assert cli.wandb_mode() == "offline"  # the key is for another host
+    assert wandb_mode() == "offline"  # the key is for another host
     monkeypatch.setenv("WANDB_API_KEY", "k3y")
-    assert cli.wandb_mode() == "online"
+    assert wandb_mode() == "online"
     monkeypatch.setenv("WANDB_MODE", "disabled")
-    assert cli.wandb_mode() == "disabled"  # the user's choice wins
+    assert wandb_mode() == "disabled"  # the user's choice wins
 
 
 # ---------------------------------------------------------------- help and errors
@@ -142,11 +187,11 @@ def test_help_lists_every_subcommand_on_one_line_and_no_wandb_status(tmp_path: P
     assert done.returncode == 0, done.stderr[-3000:]
     output = done.stdout + done.stderr
     lines = output.splitlines()
-    for name in (*cli.LIGHTNING_SUBCOMMANDS, "compare", "sweep"):
+    for name in (*common.LIGHTNING_SUBCOMMANDS, "compare", "sweep"):
         (line,) = [i for i, line in enumerate(lines) if line.split()[:1] == [name]]
-        assert lines[line].split(maxsplit=1)[1] == cli.SUBCOMMAND_HELP[name]
+        assert lines[line].split(maxsplit=1)[1] == common.SUBCOMMAND_HELP[name]
         following = "".join(lines[line + 1 : line + 2]).split()[:1]
-        assert following in ([], *([n] for n in cli.SUBCOMMAND_HELP))  # not a wrapped help
+        assert following in ([], *([n] for n in common.SUBCOMMAND_HELP))  # not a wrapped help
     assert not any(line.startswith("W&B") for line in lines)
 
 
@@ -194,19 +239,19 @@ def test_configuration_errors_are_a_few_lines(
     override: list[str], key: str, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
+    monkeypatch.delenv(common.DEBUG_ENV, raising=False)
     with pytest.raises(SystemExit) as info:
         cli.main(["fit", *TINY, *CSV, *override])
     lines = str(info.value.code).splitlines()
     assert len(lines) == 3
     assert lines[0] == f"lightning-sparse: configuration error in {key}:"
     assert lines[1].strip().startswith(message)
-    assert cli.DEBUG_ENV in lines[2] and "--debug" in lines[2]
+    assert common.DEBUG_ENV in lines[2] and "--debug" in lines[2]
     assert not list(tmp_path.glob("outputs/**/checkpoints"))
     # The full traceback (the exception itself) behind the debug flag or variable.
     with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
         cli.main(["fit", *TINY, *CSV, *override, "--debug"])
-    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    monkeypatch.setenv(common.DEBUG_ENV, "1")
     with pytest.raises(ValueError, match=re.escape(message.split(": ", 1)[1])):
         cli.main(["fit", *TINY, *CSV, *override])
 
@@ -222,7 +267,7 @@ def test_zero_flops_column_is_dropped_and_parameter_counts_stay() -> None:
             "0         Total Flops",
         ]
     )
-    assert cli.drop_zero_flops(table).splitlines() == [
+    assert quiet.drop_zero_flops(table).splitlines() == [
         "  | Name  | Type   | Params | Mode",
         "------------------------------------",
         "0 | model | Llama  | 29.8 K | train",
@@ -230,7 +275,7 @@ def test_zero_flops_column_is_dropped_and_parameter_counts_stay() -> None:
         "29.8 K    Trainable params",
     ]
     counted = table.replace("| 0    ", "| 1.2 K").replace("0         Total", "1.2 K     Total")
-    assert cli.drop_zero_flops(counted) == counted  # FLOPs that were counted stay
+    assert quiet.drop_zero_flops(counted) == counted  # FLOPs that were counted stay
 
 
 # ---------------------------------------------------------------- one directory per run
@@ -289,10 +334,10 @@ def test_explicit_logger_version_keeps_its_directory(tmp_path: Path) -> None:
         ),
         ckpt_path=None,
     )
-    assert cli.plan_run_dir(config) is None
+    assert run_dirs.plan_run_dir(config) is None
     config.trainer.logger.init_args.version = None
     (tmp_path / "version_4").mkdir()
-    run = cli.plan_run_dir(config)
+    run = run_dirs.plan_run_dir(config)
     assert run is not None and run.path == tmp_path / "version_5"
     assert config.trainer.logger.init_args.version == 5
 
@@ -335,7 +380,7 @@ def test_atomic_writer_never_exposes_a_partial_file(tmp_path: Path) -> None:
 def resume_recipe(tmp_path: Path, slow: bool) -> str:
     """The RigL recipe, tiny: 40 steps over 31-batch epochs, masks updated every 3 steps,
     a checkpoint every 4 steps."""
-    config = yaml.safe_load((cli.RECIPES_DIR / "rigl_llama.yaml").read_text())
+    config = yaml.safe_load(fit.DEFAULT_RECIPE.read_text())
     trainer = config["trainer"]
     trainer.update(max_steps=40, val_check_interval=10, log_every_n_steps=5)
     trainer["enable_progress_bar"] = trainer["enable_model_summary"] = False
@@ -441,7 +486,7 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
 
 
 def test_ddp_two_processes_from_the_same_recipe(tmp_path: Path) -> None:
-    args = ["fit", "--config", str(cli.DEFAULT_RECIPE), *TINY, *CSV]
+    args = ["fit", "--config", str(fit.DEFAULT_RECIPE), *TINY, *CSV]
     args += [
         "--trainer.devices",
         "2",
@@ -505,7 +550,7 @@ def test_compare_lists_wandb_sync_paths_that_work_from_the_cwd(
         ),
         ckpt_path=None,
     )
-    cli.plan_run_dir(config)
+    run_dirs.plan_run_dir(config)
     save_dir = Path(config.trainer.logger.init_args.save_dir)
     assert save_dir == tmp_path / "outputs/rigl_llama/version_0"
 
@@ -517,5 +562,5 @@ def test_rich_model_summary_becomes_the_plain_one_without_flops() -> None:
     from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
 
     callbacks = [RichModelSummary(max_depth=3)]
-    cli.plain_model_summary(callbacks)
+    quiet.plain_model_summary(callbacks)
     assert type(callbacks[0]) is ModelSummary and callbacks[0]._max_depth == 3

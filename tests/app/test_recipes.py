@@ -24,12 +24,11 @@ from torch import nn
 from lightning_sparse.app import cli
 from lightning_sparse.core.flops import FlopReport, transformer_flops
 from lightning_sparse.lightning.callback import SparsityCallback
-from tests.helpers import one_torch_thread
+from tests.helpers import MODELZOO_FIXTURES, one_torch_thread
 
 RECIPES = cli.RECIPES_DIR
 NAMES = ("dense", "static", "set", "rigl", "granet")
-COMPAT = Path(__file__).resolve().parents[3] / "shared" / "compat" / "cerebras_modelzoo"
-MODELZOO_RIGL = COMPAT / "v2.10" / "params_gpt3_125m_rigl75.yaml"
+MODELZOO_RIGL = MODELZOO_FIXTURES / "v2.10" / "params_gpt3_125m_rigl75.yaml"
 # A tiny model and corpus; the recipes' own schedules (updates every 50 steps) stay as written.
 TINY = [
     *("--model.dim", "32", "--model.n_layers", "1", "--model.max_seq_len", "32"),
@@ -272,7 +271,7 @@ class ModelZooNamedLM(pl.LightningModule):
 def test_modelzoo_file_path_and_a_plain_lightning_module(tmp_path: Path) -> None:
     """The ModelZoo params file itself, on a user's own LightningModule with GPT-3 names and its
     own dataloader (no data module): the callbacks need nothing from the model."""
-    assert MODELZOO_RIGL.is_file(), f"{MODELZOO_RIGL} is missing; the test needs shared/compat"
+    assert MODELZOO_RIGL.is_file(), f"{MODELZOO_RIGL} (a repository fixture) is missing"
     config = {
         "trainer": {
             "max_steps": 3,

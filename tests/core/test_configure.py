@@ -1,7 +1,10 @@
 """configure(): ModelZoo config files (2.1 and 2.10), dict / list / float forms, errors, masks.
 
-The ModelZoo files under shared/compat are used unchanged; a small module tree with ModelZoo GPT
-parameter names checks which parameters each file sparsifies.
+The ModelZoo params files are the repository's own fixtures (tests/fixtures/modelzoo, written in
+the documented 2.2+ and 2.0/2.1 formats); a small module tree with ModelZoo GPT parameter names
+checks which parameters each file sparsifies. Where the published ModelZoo files sit beside the
+checkout (``../shared/compat``), one more test checks that each fixture configures exactly as the
+published file of the same name; without them it is skipped.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from lightning_sparse.core.configure import available_algorithms, load_sparsity_
 from lightning_sparse.core.init_methods import random as random_init
 from lightning_sparse.core.mask_ops import topk_mask
 from lightning_sparse.core.schedules import Constant, Cosine, Cycling, FreqSchedule, ListSchedule
-from tests.helpers import TinyNet
+from tests.helpers import MODELZOO_FIXTURES, MODELZOO_PUBLISHED, TinyNet
 
-COMPAT = Path(__file__).resolve().parents[3] / "shared" / "compat" / "cerebras_modelzoo"
+COMPAT = MODELZOO_FIXTURES
 VERSIONS = ("v2.1", "v2.10")
 # name -> (class, sparsity, update freq, update stop = drop_fraction half period); None = dense.
 MODELZOO_FILES: dict[str, tuple[type, float, int | None, int | None] | None] = {
@@ -155,10 +158,35 @@ def train(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> Non
 
 
 def test_compat_files_present() -> None:
-    """The shared ModelZoo files must exist: a missing directory fails, it is never skipped."""
-    assert COMPAT.is_dir(), f"{COMPAT} is missing; the compat tests need shared/compat"
+    """The fixtures are part of the repository: a missing one fails, it is never skipped."""
     for version in VERSIONS:
         assert {p.name for p in (COMPAT / version).glob("*.yaml")} == set(MODELZOO_FILES)
+
+
+@pytest.mark.skipif(
+    not MODELZOO_PUBLISHED.is_dir(),
+    reason=f"no published ModelZoo files at {MODELZOO_PUBLISHED} (optional: a checkout with "
+    "shared/compat beside it); the repository's fixtures are tested without them",
+)
+@pytest.mark.parametrize("version", VERSIONS)
+def test_fixtures_configure_as_the_published_modelzoo_files(version: str) -> None:
+    """Each fixture's sparsity block equals the published file's, which configures unchanged
+    into the same algorithms and the same masks."""
+    published = MODELZOO_PUBLISHED / version
+    assert {p.name for p in published.glob("*.yaml")} == set(MODELZOO_FILES)
+    for name in MODELZOO_FILES:
+        ours, theirs = COMPAT / version / name, published / name
+        assert load_sparsity_block(ours) == load_sparsity_block(theirs), name
+        mine, original = configure(ours), configure(theirs)
+        if original is None:
+            assert mine is None, name
+            continue
+        assert [describe(a) for a in mine] == [describe(a) for a in original], name
+        model_mine, model_original = gpt(), gpt()
+        model_mine.apply(mine)
+        model_original.apply(original)
+        for key, mask in masks(model_original).items():
+            assert torch.equal(mask, masks(model_mine)[key]), (name, key)
 
 
 @pytest.mark.parametrize("version", VERSIONS)

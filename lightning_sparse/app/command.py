@@ -1,0 +1,33 @@
+"""One `lightning-sparse` command line, run in this process (`run_command`).
+
+The subcommand's module (`lightning_sparse.app.common.SUBCOMMANDS`) gets the arguments, with
+Lightning's and W&B's advice that does not apply here filtered out (`quiet`); a configuration
+error exits with a few lines naming the key (`lightning_sparse.app.errors`), or, with ``--debug``
+anywhere or ``LIGHTNING_SPARSE_DEBUG=1``, raises with its traceback. The entry point
+(`lightning_sparse.app.cli.main`) and a sweep's in-process points (`lightning_sparse.app.sweep`)
+both run commands through here.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning_sparse.app.common import PROG, split_debug, subcommand_for, subcommands_epilog
+from lightning_sparse.app.errors import run_or_exit
+from lightning_sparse.app.quiet import quiet
+
+__all__ = ["run_command"]
+
+
+def run_command(args: list[str]) -> None:
+    """Run ``lightning-sparse <args>``.
+
+    Raises:
+        SystemExit: an unknown subcommand, a parse error, a configuration error (a few lines).
+    """
+    args, debug = split_debug(list(args))
+    subcommand = subcommand_for(args)
+    if subcommand is None:
+        sys.exit(f"{PROG}: unknown subcommand {args[0]!r}; {subcommands_epilog()}")
+    with quiet():
+        run_or_exit(subcommand.main(), args if subcommand.lightning else args[1:], debug)

@@ -1,0 +1,229 @@
+"""``lightning-sparse fit / validate / test / predict``: LightningCLI (`SparseCLI`, `run`).
+
+With no ``--config`` it runs the default recipe, ``recipes/rigl_llama.yaml``: a small Llama
+decoder on byte-level text from the Python standard library, RigL at 80% on the decoder's linear
+layers. Any recipe, or any LightningCLI option, can be given on the command line::
+
+    lightning-sparse fit                                   # the default recipe
+    lightning-sparse fit --config recipes/static_llama.yaml --trainer.max_steps 50
+    lightning-sparse fit --ckpt_path last                  # resume the recipe's latest run
+
+Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory
+(`lightning_sparse.app.run_dirs`). Model and data are any LightningModule / LightningDataModule
+named by ``class_path``.
+
+What a user can fix ends the command with one line and a non-zero exit status
+(`lightning_sparse.app.errors.CLIError`): a ``--config`` file that is missing or not a YAML
+mapping and a ``--ckpt_path`` that names no file (`lightning_sparse.app.preflight`, before
+anything is built), a run directory or checkpoint that cannot be written (no permission, disk
+full), and a run stopped by SIGTERM (exit status 143, naming its last checkpoint, so that
+``fit && next-stage`` stops too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse" for recipes)
+from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG, SUBCOMMAND_HELP, SUBCOMMANDS
+from lightning_sparse.app.errors import (
+    EXIT_FAILED,
+    EXIT_SIGTERM,
+    CLIError,
+    describe_os_error,
+    note_key,
+)
+from lightning_sparse.app.preflight import check_ckpt_path, check_config_files
+from lightning_sparse.app.quiet import plain_model_summary
+from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
+from lightning_sparse.app.threads import set_threads
+from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
+from lightning_sparse.lightning import SparseRunSummary
+from lightning_sparse.recipes import RECIPES_DIR
+
+__all__ = ["DEFAULT_RECIPE", "SparseCLI", "build_args", "last_checkpoint", "main", "run"]
+
+DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
+
+
+class _Parser(LightningArgumentParser):
+    """A parse error prints a one-line usage (the full one is ~50 lines of options)."""
+
+    def print_usage(self, file: TextIO | None = None) -> None:
+        prog = self.prog.replace(" [options]", "")
+        (file or sys.stderr).write(f"usage: {prog} [options] (all options: {prog} --help)\n")
+
+
+class SparseCLI(LightningCLI):
+    """LightningCLI with any LightningModule / LightningDataModule (``class_path`` in the recipe),
+    a `SparseRunSummary` on every run (configured under ``summary:``) and one directory per run
+    (`plan_run_dir`)."""
+
+    run_dir: RunDir | None = None
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_lightning_class_args(SparseRunSummary, "summary")
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        # One line per subcommand in --help, the other subcommands included (the entry point
+        # dispatches them before LightningCLI; these entries only document them).
+        super()._add_subcommands(parser, **kwargs)
+        action = parser._subcommands_action
+        for subcommand in SUBCOMMANDS:
+            if not subcommand.lightning:
+                action.add_subcommand(subcommand.name, self.parser_class(), help=subcommand.help)
+        for choice in action._choices_actions:
+            choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        check_ckpt_path(config.get("ckpt_path"), self.subcommand)
+        set_wandb_mode(config)
+        # config.yaml keeps the configuration as given: run again from it, it makes a new run.
+        self._config_as_given = config.clone()
+        worker = os.environ.get(RUN_ENV)
+        self.run_dir = plan_run_dir(config, self.subcommand, worker)
+        if self.run_dir is not None:
+            os.environ[RUN_ENV] = self.run_dir.to_env()  # run() restores it
+            removed = [] if worker else self.run_dir.remove_stale_temporaries()
+            if removed:
+                rank_zero_info(
+                    f"lightning-sparse: removed {len(removed)} partial checkpoint file(s) left by "
+                    f"writes that were killed: {', '.join(str(p) for p in removed)}"
+                )
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except BaseException as err:
+            if self.run_dir is not None:
+                self.run_dir.release()  # nothing ran: no empty version_N is left behind
+            if isinstance(err, ValueError | TypeError):
+                note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
+            raise
+        plain_model_summary(self.trainer.callbacks)
+        if self.run_dir is not None:
+            rank_zero_info(self.run_dir.describe())
+            for callback in self.trainer.callbacks:
+                if isinstance(callback, SaveConfigCallback):
+                    callback.config = self._config_as_given
+        for logger in self.trainer.loggers:
+            if logger.save_dir:  # W&B looks for a git repository there and warns if it is missing
+                Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
+            if isinstance(logger, WandbLogger) and logger._wandb_init.get("anonymous") is None:
+                # Lightning passes anonymous=None, which wandb >= 0.19 warns about on every run.
+                logger._wandb_init.pop("anonymous", None)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException as stop:  # a SystemExit that would end the process with 0
+            last = last_checkpoint(self.trainer)
+            # In a run directory, "last" continues there; elsewhere the file itself.
+            again = "last" if self.run_dir is not None else repr(str(last))
+            where = (
+                f"its last checkpoint is {str(last)!r} (the same command with --ckpt_path "
+                f"{again} resumes from it)"
+                if last is not None
+                else "it wrote no checkpoint"
+            )
+            raise CLIError(
+                f"{subcommand} stopped by SIGTERM at step {self.trainer.global_step}, before it "
+                f"finished (exit status {EXIT_SIGTERM}); {where}",
+                EXIT_SIGTERM,
+            ) from stop
+
+
+def last_checkpoint(trainer: pl.Trainer) -> Path | None:
+    """The newest checkpoint file the trainer's `ModelCheckpoint` callbacks know of (their
+    ``last_model_path`` / ``best_model_path`` or a ``.ckpt`` in their ``dirpath``), or None."""
+    found: set[Path] = set()
+    for callback in trainer.checkpoint_callbacks:
+        for known in (callback.last_model_path, callback.best_model_path):
+            if known and Path(known).is_file():
+                found.add(Path(known))
+        if callback.dirpath and Path(callback.dirpath).is_dir():
+            found.update(p for p in Path(callback.dirpath).glob("*.ckpt") if p.is_file())
+    return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+
+def build_args(args: list[str]) -> list[str]:
+    """The LightningCLI argument list: ``fit`` when empty; the default recipe when no config.
+
+    Raises:
+        FileNotFoundError: the default recipe is needed but missing (not a source checkout).
+    """
+    args = list(args) or ["fit"]
+    has_config = any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    if args[0] in LIGHTNING_SUBCOMMANDS and not has_config:
+        if not DEFAULT_RECIPE.is_file():
+            raise FileNotFoundError(
+                f"default recipe {DEFAULT_RECIPE} not found: the installation is incomplete "
+                "(reinstall lightning-sparse) or pass --config path/to/recipe.yaml"
+            )
+        args[1:1] = ["--config", str(DEFAULT_RECIPE)]
+    return args
+
+
+def run(args: list[str]) -> SparseCLI:
+    """Run a LightningCLI subcommand (after `build_args`) and return the CLI object."""
+    subcommand_kwargs: dict[str, Any] = {
+        name: {"allow_abbrev": False} for name in LIGHTNING_SUBCOMMANDS
+    }
+    subcommand_kwargs["fit"]["description"] = (
+        "Train. Without --config: the default recipe, recipes/rigl_llama.yaml (installed at "
+        f"{DEFAULT_RECIPE}). Each run writes to its own <logger save_dir>/version_N; "
+        "--ckpt_path last resumes the latest run."
+    )
+    saved_run_env = os.environ.get(RUN_ENV)
+    outer_wandb_run = active_wandb_run()
+    # No base classes: model and data are any LightningModule / LightningDataModule named by
+    # class_path, and data is optional (a LightningModule may bring its own dataloaders).
+    try:
+        with warnings.catch_warnings():
+            # We pass the (possibly completed) command line as `args` on purpose.
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            return SparseCLI(
+                args=build_args(args),
+                parser_class=_Parser,
+                save_config_kwargs={"overwrite": True},
+                parser_kwargs={"prog": PROG, "allow_abbrev": False, **subcommand_kwargs},
+            )
+    finally:
+        if saved_run_env is None:
+            os.environ.pop(RUN_ENV, None)
+        else:
+            os.environ[RUN_ENV] = saved_run_env
+        # A W&B run this call started ends with it: WandbLogger reuses the process's active run,
+        # so the next in-process run (a sweep's next point) would log into this one.
+        wandb_run = active_wandb_run()
+        if wandb_run is not None and wandb_run is not outer_wandb_run:
+            wandb_run.finish()
+
+
+def main(args: list[str]) -> None:
+    """``lightning-sparse [fit|validate|test|predict] ...``: ``args`` is the whole command line
+    after ``lightning-sparse`` (the subcommand's name included). Checks the ``--config`` files,
+    sets torch's threads for a run (`set_threads`), then `run`.
+
+    Raises:
+        CLIError: a bad ``--config`` file or ``--ckpt_path``, a file that cannot be written, a
+            run stopped by SIGTERM (see the module docstring).
+    """
+    check_config_files(args)
+    if args[:1] in ([], *([name] for name in LIGHTNING_SUBCOMMANDS)) and "--help" not in args:
+        print(set_threads(), flush=True)  # idle cores only: two threads thrash beside a busy one
+    try:
+        run(args)
+    except OSError as err:  # a directory or checkpoint that cannot be written, a full disk
+        raise CLIError(describe_os_error(err), EXIT_FAILED) from err

@@ -49,6 +49,7 @@ from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
 from lightning_sparse.app.threads import set_threads
 from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
 from lightning_sparse.lightning import SparseRunSummary
+from lightning_sparse.lightning.callback import check_resumable
 from lightning_sparse.recipes import RECIPES_DIR
 
 __all__ = ["DEFAULT_RECIPE", "SparseCLI", "build_args", "last_checkpoint", "main", "run"]
@@ -125,6 +126,12 @@ class SparseCLI(LightningCLI):
                 logger._wandb_init.pop("anonymous", None)
 
     def _run_subcommand(self, subcommand: str) -> None:
+        ckpt_path = self._prepare_subcommand_kwargs(subcommand).get("ckpt_path")
+        if ckpt_path and Path(ckpt_path).is_file():
+            try:  # another algorithm's checkpoint: refused before Lightning loads its weights
+                check_resumable(self.trainer, ckpt_path)
+            except ValueError as err:
+                raise CLIError(str(err)) from err
         try:
             super()._run_subcommand(subcommand)
         except SIGTERMException as stop:  # a SystemExit that would end the process with 0

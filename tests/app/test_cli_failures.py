@@ -373,3 +373,31 @@ def test_sigterm_stops_fit_with_status_143_and_names_its_last_checkpoint(tmp_pat
     assert "the same command with --ckpt_path last resumes from it" in line
     step = torch.load(last, weights_only=False)["global_step"]
     assert step >= 2 and step % 2 == 0
+
+
+def test_resuming_another_algorithms_run_is_one_line_before_anything_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A static run resumed with the RigL recipe: refused before the weights are loaded."""
+    static = str(REPO / "recipes" / "static_llama.yaml")
+    cli.main(["fit", "--config", static, *TINY, *CSV, "--trainer.max_steps", "2"])
+    ckpt = next(Path("outputs").rglob("last.ckpt"))
+    capsys.readouterr()
+    loaded = []
+    monkeypatch.setattr(fit.SparseCLI, "instantiate_classes", _recording(loaded))
+    line = one_line_failure(["fit", *TINY, *CSV, "--trainer.max_steps", "4",
+                             "--ckpt_path", str(ckpt)], capsys)
+    assert "sparsity state of Static but none of RigL" in line and str(ckpt) in line, line
+    (module,) = loaded
+    assert not any(name.endswith("_mask") for name, _ in module.named_buffers())  # not applied
+
+
+def _recording(loaded: list[Any]) -> Any:
+    """`SparseCLI.instantiate_classes` that also records the LightningModule it built."""
+    original = fit.SparseCLI.instantiate_classes
+
+    def instantiate(self: fit.SparseCLI) -> None:
+        original(self)
+        loaded.append(self.model)
+
+    return instantiate

@@ -84,7 +84,7 @@ def export(
             is missing.
         OSError: writing failed (no space, no permission); ``output`` is as it was.
     """
-    # 1. Every check before anything is written.
+    # 1. Every check before anything is written (a killed export's leftovers are put right).
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}; use 'hf' or 'compressed'")
     _require("transformers", "pip install transformers")

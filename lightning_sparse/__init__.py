@@ -51,7 +51,10 @@ _LIGHTNING = (
     "SparseLoadingMixin",
     "restore_checkpoint_masks",
 )
-_INTEGRATIONS = {"export": "lightning_sparse.integrations.export"}
+_INTEGRATIONS = {
+    "export": "lightning_sparse.integrations.export",
+    "load_compressed": "lightning_sparse.integrations.compressed",
+}
 """Names whose module needs the optional ``[hf]`` extra; importing them without it says so."""
 __all__ = sorted((*_CORE, *_LIGHTNING, *_INTEGRATIONS))
 

@@ -7,21 +7,34 @@
 ``--format hf`` writes dense safetensors (pruned weights exactly zero) that
 ``AutoModelForCausalLM.from_pretrained`` loads; ``--format compressed`` the compressed-tensors
 sparse-bitmask format (see `lightning_sparse.integrations.compressed`). See `export`.
+
+Every expected failure (a missing or refused checkpoint, an output that exists, no permission,
+a full disk, a bad option) is one line on stderr naming the file and the fix, and exit status 1
+(2 for a bad option); no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from lightning_sparse.integrations.export import FORMATS, export
 
 __all__ = ["main"]
 
+_PROG = "lightning-sparse export"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line instead of argparse's usage block."""
+        self.exit(2, f"{_PROG}: {message}; see `{_PROG} --help`\n")
+
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lightning-sparse export",
+    parser = _Parser(
+        prog=_PROG,
         allow_abbrev=False,
         description="Export a lightning-sparse fit checkpoint as a Hugging Face directory.",
     )
@@ -31,13 +44,30 @@ def _parser() -> argparse.ArgumentParser:
         "--format", choices=FORMATS, default="hf", help="hf (dense) or compressed (%(default)s)"
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory to copy along")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --output")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace --output if it is an export this command wrote (nothing else is deleted)",
+    )
+    parser.add_argument(
+        "--run_config",
+        default=None,
+        help="the run's config.yaml (default: the one of the run directory holding checkpoints/)",
+    )
+    parser.add_argument(
+        "--trust-file",
+        dest="trust_file",
+        action="store_true",
+        help="unpickle arbitrary objects in --ckpt_path (runs code from a crafted file: only "
+        "for a checkpoint from a source you trust)",
+    )
     return parser
 
 
 def main(args: list[str]) -> None:
     """Parse ``args`` (after ``export``) and export; errors exit with one line."""
     options = _parser().parse_args(args)
+    _quiet_transformers()
     try:
         out = export(
             options.ckpt_path,
@@ -45,7 +75,19 @@ def main(args: list[str]) -> None:
             format=options.format,
             tokenizer=options.tokenizer,
             overwrite=options.overwrite,
+            run_config=options.run_config,
+            trust_file=options.trust_file,
         )
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as err:
-        sys.exit(f"lightning-sparse export: {err}")
-    print(f"lightning-sparse export: wrote {out} ({options.format})")
+    except (ValueError, OSError, ModuleNotFoundError) as err:
+        print(f"{_PROG}: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(1)
+    print(f"{_PROG}: wrote {out} ({options.format})")
+
+
+def _quiet_transformers() -> None:
+    """No "Writing model shards" progress bar on stderr: the command's output is its one line."""
+    try:
+        from transformers.utils import logging
+    except ModuleNotFoundError:
+        return  # export says what to install
+    logging.disable_progress_bar()

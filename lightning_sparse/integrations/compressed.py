@@ -8,19 +8,29 @@ compressed-tensors' ``BitmaskCompressor``, the names without ``.weight``):
 - ``<module>.bitmask``: uint8 ``[rows, ceil(cols / 8)]``, one bit per weight (little bit order);
 - ``<module>.row_offsets``: int64 ``[rows]``, where each row starts in ``compressed``.
 
-``config.json`` gets ``quantization_config = {"quant_method": "compressed-tensors",
-"sparsity_config": {"format": "sparse-bitmask", ...}}``. At 80% sparsity in fp32 a weight takes
-0.2 * 4 + 1 / 8 = 0.925 bytes per entry instead of 4 (0.23x).
+Which weights: every 2-D ``*.weight`` whose bitmask layout is smaller than its dense one (a
+weight with at least ~1 / (8 x bytes per value) exact zeros), found from the weights themselves:
+pruned weights are exactly zero, so the bitmask of the nonzeros is the mask (a kept weight that
+happens to be exactly 0 is stored as pruned, which gives the same tensor). Masks are not needed,
+so checkpoints with and without ``*_mask`` entries give the same files.
 
-transformers 5.x with compressed-tensors 0.20 no longer decompresses this format when loading
-(compressed-tensors dropped its sparse compressors; ``from_pretrained`` reports the four tensors
-as unexpected and the weight as missing), so `load_compressed` decompresses the files and hands
-the dense state dict to ``from_pretrained``.
+``config.json`` gets ``quantization_config = {"quant_method": "compressed-tensors",
+"sparsity_config": {"format": "sparse-bitmask", "targets": [...], ...}}``, the keys
+compressed-tensors' own ``ModelCompressor`` writes for a sparse-only model (a top-level
+``"format"`` would make compressed-tensors <= 0.14 parse a quantization config and fail). At 80%
+sparsity in fp32 a weight takes 0.2 * 4 + 1 / 8 = 0.925 bytes per entry instead of 4 (0.23x).
+
+Readers: compressed-tensors 0.14.0.1 with transformers 4.55-4.57 decompresses it in
+``AutoModelForCausalLM.from_pretrained`` (checked by ``.ci/reader_check``). compressed-tensors
+>= 0.15 dropped its sparse compressors and transformers 5 no longer loads the directory (the
+four tensors are reported unexpected, the weight missing), so `load_compressed` decompresses the
+files and hands the dense state dict to ``from_pretrained``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +43,7 @@ __all__ = [
     "compress_state_dict",
     "decompress_state_dict",
     "load_compressed",
+    "worth_compressing",
 ]
 
 FORMAT = "sparse-bitmask"
@@ -51,23 +62,37 @@ def _helpers() -> Any:
     return helpers
 
 
+def worth_compressing(key: str, value: torch.Tensor) -> bool:
+    """Whether ``value`` (``key`` ending in ``.weight``, 2-D, floating) takes fewer bytes as
+    bitmask tensors than dense: ``nnz * e + rows * (ceil(cols / 8) + 8) + 16 < rows * cols * e``
+    for ``e`` bytes per value (the kept values, the bits, the row offsets and the shape)."""
+    if not key.endswith(".weight") or value.ndim != 2 or not value.is_floating_point():
+        return False
+    rows, cols = value.shape
+    size = value.element_size()
+    packed = int(torch.count_nonzero(value)) * size + rows * (math.ceil(cols / 8) + 8) + 16
+    return packed < rows * cols * size
+
+
 def compress_state_dict(
-    state_dict: Mapping[str, torch.Tensor], names: Iterable[str]
+    state_dict: Mapping[str, torch.Tensor], names: Iterable[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """``state_dict`` with each 2-D weight in ``names`` replaced by its four bitmask tensors.
+    """``state_dict`` with each chosen 2-D weight replaced by its four bitmask tensors.
 
     Args:
         state_dict: ``{name: tensor}``; not modified.
-        names: the keys to compress (ending in ``.weight``); others are kept as they are.
+        names: the keys to compress (2-D, ending in ``.weight``); ``None``: every weight the
+            layout stores in fewer bytes (`worth_compressing`). Others are kept as they are.
 
     Returns:
         A new dict; compressed keys are replaced in place (the source order is kept).
     """
     pack = _helpers().pack_bitmasks
-    chosen = set(names)
+    chosen = None if names is None else set(names)
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
-        if key not in chosen or value.ndim != 2 or not key.endswith(".weight"):
+        wanted = worth_compressing(key, value) if chosen is None else key in chosen
+        if not wanted or value.ndim != 2 or not key.endswith(".weight"):
             out[key] = value
             continue
         value = value.detach().cpu()
@@ -99,24 +124,33 @@ def decompress_state_dict(state_dict: Mapping[str, torch.Tensor]) -> dict[str, t
     return out
 
 
-def compress_directory(path: Path, names: Iterable[str]) -> None:
+def compress_directory(path: Path, names: Iterable[str] | None = None) -> None:
     """Rewrite a ``save_pretrained`` directory's safetensors in the sparse-bitmask format and
-    record it in ``config.json`` (``names``: the weight keys to compress)."""
+    record it in ``config.json`` (``names``: the weight keys to compress; ``None``: those
+    `worth_compressing`)."""
     _helpers()
     from safetensors.torch import load_file, save_file
 
-    names = set(names)
     index_path = path / "model.safetensors.index.json"
     index = json.loads(index_path.read_text()) if index_path.is_file() else None
     files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
     total = zeros = 0
+    targets: list[str] = []
     weight_map: dict[str, str] = {}
     for file in files:
         tensors = load_file(path / file)
-        for key in names & set(tensors):
+        chosen = [
+            key
+            for key, value in tensors.items()
+            if (worth_compressing(key, value) if names is None else key in names)
+            and value.ndim == 2
+            and key.endswith(".weight")
+        ]
+        for key in chosen:
             total += tensors[key].numel()
             zeros += int((tensors[key] == 0).sum())
-        compressed = compress_state_dict(tensors, names)
+        targets += [key[: -len(".weight")] for key in chosen]
+        compressed = compress_state_dict(tensors, chosen)
         save_file(compressed, path / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(compressed, file))
     if index:
@@ -124,14 +158,13 @@ def compress_directory(path: Path, names: Iterable[str]) -> None:
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
-    config["quantization_config"] = {
+    config["quantization_config"] = {  # no quantization: the values keep the weights' dtype
         "quant_method": "compressed-tensors",
-        "format": "dense",  # no quantization: the values keep the weights' dtype
         "sparsity_config": {
             "format": FORMAT,
             "global_sparsity": zeros / total if total else 0.0,
             "sparsity_structure": "unstructured",
-            "targets": sorted(n[: -len(".weight")] for n in names),
+            "targets": sorted(targets),
             "ignore": [],
         },
     }

@@ -2,28 +2,31 @@
 
 Sources: a ``transformers`` causal LM (masks applied by an algorithm), `HFCausalLM` or this
 package's `Llama` (mapped to ``LlamaForCausalLM``, see `llama_to_hf`), either inside a
-`LitCausalLM`, or the path of a Lightning checkpoint written by ``lightning-sparse fit``.
+`LitCausalLM`, or the path of a Lightning checkpoint written by ``lightning-sparse fit`` (rebuilt
+by `load_lit_checkpoint`: read weights-only, class names checked before anything is imported).
 Formats: ``hf`` (dense safetensors, pruned weights exactly zero, no mask entries) and
 ``compressed`` (compressed-tensors ``sparse-bitmask``, see `compressed`).
 
-The live model is never modified (the weights come from `strip_masks`), and the directory
-appears whole or not at all: it is written next to ``output`` and renamed into place.
+The live model is never modified (the weights come from `strip_masks`). The directory appears
+whole or not at all, and ``overwrite`` replaces only an export this package wrote (see
+`export_dir`: the marker file, the staging directory, the crash-safe swap).
 """
 
 from __future__ import annotations
 
-import importlib
+import errno
 import importlib.util
+import json
 import shutil
-import tempfile
-import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from lightning_sparse.core.state_dict import model_masks, restore_masks, strip_masks
+from lightning_sparse.core.state_dict import strip_masks
+from lightning_sparse.integrations import export_dir
+from lightning_sparse.integrations.lit_checkpoint import load_lit_checkpoint
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
 from lightning_sparse.models.llama import Llama
@@ -36,6 +39,7 @@ _MODEL_FILES = {
     "generation_config.json",
     "model.safetensors",
     "model.safetensors.index.json",
+    export_dir.MARKER,
 }
 
 
@@ -45,6 +49,10 @@ def export(
     format: str = "hf",  # noqa: A002  (the CLI's --format)
     tokenizer: str | Path | None = None,
     overwrite: bool = False,
+    *,
+    model_classes: Iterable[type] = (),
+    run_config: str | Path | None = None,
+    trust_file: bool = False,
 ) -> Path:
     """Write ``source`` to the directory ``output`` for ``AutoModelForCausalLM.from_pretrained``.
 
@@ -54,28 +62,34 @@ def export(
         format: ``"hf"`` (dense) or ``"compressed"`` (sparse-bitmask; load it with
             `lightning_sparse.integrations.compressed.load_compressed`).
         tokenizer: a tokenizer directory (``save_pretrained`` output) copied into ``output``.
-        overwrite: replace an existing ``output``.
+        overwrite: replace ``output`` if it is an empty directory or an export this package
+            wrote that holds nothing else (its ``lightning_sparse_export.json`` lists the
+            files); any other existing ``output`` is refused and left untouched.
+        model_classes: (checkpoint source) classes the checkpoint or its run config may name
+            besides this package's `LitCausalLM`, `Llama` and `HFCausalLM`.
+        run_config: (checkpoint source) the run's ``config.yaml``; by default the one of the
+            run directory the checkpoint is in (``version_N/`` for ``version_N/checkpoints/``).
+        trust_file: (checkpoint source) unpickle arbitrary objects: runs code from a crafted
+            file, so only for a checkpoint from a source you trust.
 
     Returns:
         ``output`` as a `Path`.
 
     Raises:
-        ValueError: unknown format, ``output`` exists, a source that is not a causal LM.
+        ValueError: unknown format; ``output`` exists (without ``overwrite``, or not a
+            replaceable export); a source that is not a causal LM; a checkpoint that is refused
+            (see `load_lit_checkpoint`).
         FileNotFoundError: the checkpoint or tokenizer directory does not exist.
         ModuleNotFoundError: ``transformers`` (or, for ``compressed``, ``compressed-tensors``)
             is missing.
+        OSError: writing failed (no space, no permission); ``output`` is as it was.
     """
-    # 1. Every check before anything is written.
+    # 1. Every check before anything is written (a killed export's leftovers are put right).
     if format not in FORMATS:
         raise ValueError(f"format={format!r} is not one of {FORMATS}; use 'hf' or 'compressed'")
     _require("transformers", "pip install transformers")
     if format == "compressed":
         _require("compressed_tensors", "pip install compressed-tensors")
-    output = Path(output)
-    if output.exists() and not overwrite:
-        raise ValueError(
-            f"output={str(output)!r} already exists; choose a new directory or pass overwrite=True"
-        )
     if tokenizer is not None:
         if not Path(tokenizer).is_dir():
             raise FileNotFoundError(f"tokenizer={str(tokenizer)!r} is not a directory")
@@ -85,111 +99,99 @@ def export(
                 f"tokenizer={str(tokenizer)!r} holds model files {clashes} that would replace "
                 "the exported ones; pass a directory with only the tokenizer's files"
             )
-    model = load_lit_checkpoint(source) if isinstance(source, (str, Path)) else source
-    hf_model, state, sparse = _to_hf(model)
+    output = Path(output)
+    _guard(lambda: export_dir.recover(output), output)  # finish a killed export's cleanup
+    if output.exists() or output.is_symlink():
+        if not overwrite:
+            raise ValueError(
+                f"output={str(output)!r} already exists; choose a new directory or pass "
+                "overwrite=True (which replaces only an export written by lightning_sparse)"
+            )
+        export_dir.check_replaceable(output)
+    if isinstance(source, (str, Path)):
+        model: nn.Module = load_lit_checkpoint(
+            source, model_classes=model_classes, run_config=run_config, trust_file=trust_file
+        )
+    else:
+        model = source
+    hf_model, state = _to_hf(model)
 
-    # 2. Write into a sibling temporary directory, then swap it in.
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    # 2. Write into a hidden staging directory beside output, then swap it in.
+    def write() -> Path:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        return export_dir.staging_dir(output)
+
+    staging = _guard(write, output)
     try:
-        hf_model.save_pretrained(tmp, state_dict=state)
-        if format == "compressed":
-            from lightning_sparse.integrations.compressed import compress_directory
-
-            compress_directory(tmp, sparse)
-        if tokenizer is not None:
-            shutil.copytree(tokenizer, tmp, dirs_exist_ok=True)
-        if output.exists():  # moved aside first, so output is never half old, half new
-            old = tmp.with_name(tmp.name + ".old")
-            output.rename(old)
-            try:
-                tmp.rename(output)
-            except OSError:
-                old.rename(output)
-                raise
-            if old.is_dir():
-                shutil.rmtree(old)
-            else:
-                old.unlink()
-        else:
-            tmp.rename(output)
+        _guard(lambda: _write(staging, hf_model, state, format, tokenizer), output)
+        _guard(lambda: export_dir.publish(staging, output), output)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
     return output
 
 
-def load_lit_checkpoint(path: str | Path) -> LitCausalLM:
-    """The `LitCausalLM` of a ``lightning-sparse fit`` checkpoint, masks registered and loaded.
+def _write(
+    path: Path, hf_model: nn.Module, state: dict[str, Any], fmt: str, tokenizer: Any
+) -> None:
+    hf_model.save_pretrained(path, state_dict=state)
+    _add_transformers4_fields(path / "config.json")
+    if fmt == "compressed":
+        from lightning_sparse.integrations.compressed import compress_directory
 
-    The module is rebuilt from the checkpoint's hyper-parameters. `LitCausalLM` does not save its
-    ``model`` argument there, so a model given in the recipe (``model.init_args.model``, e.g.
-    `HFCausalLM`) is read from the run's ``config.yaml`` (``version_N/config.yaml`` next to
-    ``version_N/checkpoints/``).
+        compress_directory(path)
+    if tokenizer is not None:
+        shutil.copytree(tokenizer, path, dirs_exist_ok=True)
+    export_dir.write_marker(path, fmt)  # last: a directory without it is not an export
 
-    Raises:
-        FileNotFoundError: no file at ``path``.
-        ValueError: the checkpoint's module is not a `LitCausalLM`, or its weights do not fit
-            the module its hyper-parameters describe.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} is not a file; pass a .ckpt file")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    hparams.pop("_instantiator", None)
-    class_path = hparams.get("_class_path", "lightning_sparse.models.LitCausalLM")
-    module_name, _, class_name = class_path.rpartition(".")
-    cls = getattr(importlib.import_module(module_name), class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, LitCausalLM)):
-        raise ValueError(
-            f"checkpoint {str(path)!r} holds a {class_path!r}, not a "
-            "lightning_sparse.models.LitCausalLM; export the model object instead"
-        )
-    submodel = _recipe_model(path)
-    if submodel is not None:
-        hparams["model"] = submodel
+
+def _guard(step: Any, output: Path) -> Any:
+    """Run ``step()``; an OS or safetensors error becomes an `OSError` naming ``output``, the
+    file and the fix (the original is its ``__cause__``)."""
+    from safetensors import SafetensorError
+
     try:
-        if isinstance(submodel, dict):
-            from lightning.pytorch.cli import instantiate_module
-
-            with warnings.catch_warnings():  # Lightning calls a jsonargparse method it deprecated
-                warnings.simplefilter("ignore", DeprecationWarning)
-                module = instantiate_module(LitCausalLM, hparams)  # builds the class_path entry
+        return step()
+    except (OSError, SafetensorError) as err:
+        code = getattr(err, "errno", None)
+        text = " ".join(str(err).split())
+        if code == errno.ENOSPC or "No space left" in text or "StorageFull" in text:
+            fix = "free space on that disk, or choose an output on another disk"
+        elif code in (errno.EACCES, errno.EPERM, errno.EROFS) or "ermission denied" in text:
+            fix = "choose an output in a directory you can write to"
         else:
-            module = cls(**{k: v for k, v in hparams.items() if k != "_class_path"})
-        restore_masks(module, checkpoint)  # the callback state, or old state-dict entries
-        module.load_state_dict(checkpoint["state_dict"], strict=True)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(
-            f"cannot rebuild the module of checkpoint {str(path)!r} from its hyper-parameters "
-            f"({type(err).__name__}: {' '.join(str(err).split())[:300]}...); build the "
-            "LitCausalLM yourself, load the checkpoint (lightning_sparse.restore_masks, then "
-            "load_state_dict) and export it"
+            fix = "check the path and the disk, then run the export again"
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        raise OSError(
+            f"export to {str(output)!r} failed{where}: {text[:300]}; {fix}. Anything already at "
+            "that path was left as it was"
         ) from err
-    return module.eval()
 
 
-def _recipe_model(ckpt: Path) -> Any:
-    """``model.init_args.model`` of the run's ``config.yaml`` (``None`` if there is none)."""
-    import yaml
+def _add_transformers4_fields(config_path: Path) -> None:
+    """Also write the config fields transformers 4.x reads where transformers 5 renamed them:
+    ``rope_theta`` (5 writes RoPE's base only inside ``rope_parameters``; 4.x would silently use
+    10000) and ``torch_dtype`` (5 writes ``dtype``; 4.x's ``torch_dtype="auto"`` reads this one).
+    transformers 5 reads both without a warning."""
+    config = json.loads(config_path.read_text())
+    rope = config.get("rope_parameters")
+    extra = {}
+    if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in config:
+        extra["rope_theta"] = rope["rope_theta"]
+    if "dtype" in config and "torch_dtype" not in config:
+        extra["torch_dtype"] = config["dtype"]
+    if extra:
+        config_path.write_text(json.dumps({**config, **extra}, indent=2, sort_keys=True) + "\n")
 
-    for config in (ckpt.parent / "config.yaml", ckpt.parent.parent / "config.yaml"):
-        if config.is_file():
-            recipe = yaml.safe_load(config.read_text()) or {}
-            return ((recipe.get("model") or {}).get("init_args") or {}).get("model")
-    return None
 
-
-def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any], list[str]]:
-    """(a ``transformers`` model to save with, its mask-free state dict, the sparse weight keys)."""
+def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+    """(a ``transformers`` model to save with, its mask-free state dict)."""
     while isinstance(model, (LitCausalLM, HFCausalLM)):
         model = model.model
-    sparse = list(model_masks(model))
     if isinstance(model, Llama):
-        from lightning_sparse.integrations.llama_to_hf import hf_llama_name, to_hf_llama
+        from lightning_sparse.integrations.llama_to_hf import to_hf_llama
 
         hf_model = to_hf_llama(model, strip_masks(model))
-        return hf_model, strip_masks(hf_model), [hf_llama_name(n) for n in sparse]
+        return hf_model, strip_masks(hf_model)
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = getattr(model, "config", None)
@@ -202,7 +204,7 @@ def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any], list[str]]:
             "...ForSequenceClassification), lightning_sparse's Llama, HFCausalLM or a "
             "LitCausalLM holding one"
         )
-    return model, strip_masks(model), sparse
+    return model, strip_masks(model)
 
 
 def _require(package: str, install: str) -> None:

@@ -27,6 +27,7 @@ from lightning_sparse.lightning.flop_meter import (  # noqa: F401  (re-exported:
     mask_names,
     tokens_in_batch,
 )
+from lightning_sparse.core.safe_load import load_torch_file
 
 __all__ = ["FlopCounter", "FlopSegment", "lm_flops", "mask_names", "tokens_in_batch"]
 
@@ -45,15 +46,24 @@ class FlopCounter(pl.Callback):
             Variable SPDF run) trained with a ``FlopCounter``; their segments are prepended, so
             the totals cover the whole chain.
         verbose: print the table at the end of ``fit``.
+        trust_file: read ``previous`` with arbitrary objects unpickled (a crafted file runs code
+            when read); off, they are read weights-only (`load_torch_file`).
 
     Raises:
-        ValueError: (at setup) a ``previous`` checkpoint without ``FlopCounter`` state.
+        ValueError: (at setup) a ``previous`` checkpoint without ``FlopCounter`` state, or one
+            holding objects other than tensors and plain values (``trust_file`` off).
         TypeError: a training batch that is neither token windows nor floating examples.
     """
 
-    def __init__(self, previous: str | list[str] | None = None, verbose: bool = True) -> None:
+    def __init__(
+        self,
+        previous: str | list[str] | None = None,
+        verbose: bool = True,
+        trust_file: bool = False,
+    ) -> None:
         self.previous = [previous] if isinstance(previous, str) else list(previous or [])
         self.verbose = verbose
+        self.trust_file = trust_file
         self.earlier: list[FlopSegment] = []
         self.meter = FlopMeter("FlopCounter", strict=True)
         self.meter.ledger.run = len(self.previous)
@@ -111,7 +121,12 @@ class FlopCounter(pl.Callback):
         self.meter.setup(pl_module)
         self.earlier = []
         for run, path in enumerate(self.previous):
-            checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+            checkpoint = load_torch_file(
+                path,
+                trust_file=self.trust_file,
+                what="FlopCounter: previous checkpoint",
+                opt_in="FlopCounter(trust_file=True) (in a recipe: init_args: {trust_file: true})",
+            )
             state = checkpoint.get("callbacks", {}).get(self.state_key)
             if state is None:
                 raise ValueError(

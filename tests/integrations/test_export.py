@@ -127,6 +127,8 @@ def test_llama_exports_as_llama_for_causal_lm_with_the_same_logits(
     assert c.num_key_value_heads == 2 and c.rope_parameters["rope_theta"] == 500.0
     assert c.rms_norm_eps == 1e-4 and c.tie_word_embeddings is tied
     assert_same_logits(lit, hf, 96)
+    # transformers 4.x reads RoPE's base from the top level (5.x writes only rope_parameters).
+    assert json.loads((tmp_path / "hf/config.json").read_text())["rope_theta"] == 500.0
 
 
 def test_hf_models_plain_and_wrapped_export_with_the_same_logits(tmp_path: Path) -> None:
@@ -182,6 +184,55 @@ def test_compressed_format_loads_with_the_same_logits_and_stores_bitmasks(
     assert_same_logits(model, load(tmp_path / "c", compressed=True), 96)
 
 
+def test_compressed_config_holds_only_what_compressed_tensors_writes(tmp_path: Path) -> None:
+    """compressed-tensors <= 0.14 treats any top-level key of ``quantization_config`` other than
+    these as a quantization config: the ``"format": "dense"`` written before made
+    ``ModelCompressor.from_pretrained`` fail (``.ci/reader_check`` runs that reader)."""
+    from compressed_tensors.config import SparsityCompressionConfig
+
+    export(sparse_llama(), tmp_path / "c", format="compressed")
+    config = json.loads((tmp_path / "c/config.json").read_text())["quantization_config"]
+    assert set(config) == {"quant_method", "sparsity_config"}
+    assert config["quant_method"] == "compressed-tensors"
+    fields = dict(config["sparsity_config"])
+    parsed = SparsityCompressionConfig.load_from_registry(fields.pop("format"), **fields)
+    assert parsed.format == "sparse-bitmask" and parsed.sparsity_structure == "unstructured"
+    assert parsed.targets == [f"model.{n[: -len('.weight')]}" for n in sorted(masks_of(
+        sparse_llama()))]  # fmt: skip
+
+
+def _bitmask_decompressor_missing() -> str:
+    """Why compressed-tensors' own sparse-bitmask decompression cannot run here ("" if it can)."""
+    import compressed_tensors
+    from compressed_tensors import ModelCompressor
+    from compressed_tensors.compressors import BaseCompressor
+
+    if hasattr(ModelCompressor, "from_pretrained") and (
+        "sparse-bitmask" in BaseCompressor.registered_names()
+    ):
+        return ""
+    return (
+        f"compressed-tensors {compressed_tensors.__version__} has no sparse-bitmask "
+        "decompressor (0.14.0.1 is the last with one); .ci/reader_check runs this check with "
+        "compressed-tensors 0.14.0.1 and transformers 4.55-4.57 in a venv of their own"
+    )
+
+
+@pytest.mark.skipif(bool(_bitmask_decompressor_missing()), reason=_bitmask_decompressor_missing())
+def test_compressed_tensors_own_decompressor_gives_the_dense_weights(tmp_path: Path) -> None:
+    from compressed_tensors import ModelCompressor
+
+    model = sparse_llama()
+    export(model, tmp_path / "c", format="compressed")
+    export(model, tmp_path / "hf")
+    compressor = ModelCompressor.from_pretrained(str(tmp_path / "c"))
+    assert compressor.quantization_config is None
+    state = dict(compressor.sparsity_compressor.decompress(str(tmp_path / "c")))
+    dense = saved_tensors(tmp_path / "hf")
+    assert state.keys() == dense.keys()
+    assert all(torch.equal(state[k], dense[k]) for k in dense)
+
+
 def test_compressed_file_is_at_most_035x_the_dense_one_at_80_percent(tmp_path: Path) -> None:
     """The ``small`` preset's shape (the sparse projections are 96% of the weights), fp32."""
     torch.manual_seed(0)
@@ -196,7 +247,9 @@ def test_compressed_file_is_at_most_035x_the_dense_one_at_80_percent(tmp_path: P
 # ---------------------------------------------------------------- checkpoints and the CLI
 
 
-def test_fit_checkpoint_exports_from_the_command_line(tmp_path: Path) -> None:
+def test_fit_checkpoint_exports_from_the_command_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     tiny = [
         *("--model.dim", "32", "--model.n_layers", "1", "--model.max_seq_len", "32"),
         *("--model.n_kv_heads", "2", "--model.tie_embeddings", "true"),
@@ -234,10 +287,26 @@ def test_fit_checkpoint_exports_from_the_command_line(tmp_path: Path) -> None:
     assert_same_logits(lit, load(tmp_path / "hf"), 256)
     assert_same_logits(lit, load(tmp_path / "c", compressed=True), 256)
 
-    with pytest.raises(SystemExit, match="already exists.*overwrite"):
+    # Checkpoints that keep masks out of the state dict (weights still exactly zero) give the
+    # same files: the bitmask comes from the weights' nonzeros.
+    maskless = ckpt.with_name("maskless.ckpt")
+    checkpoint["state_dict"] = {
+        k: v for k, v in checkpoint["state_dict"].items() if not k.endswith("_mask")
+    }
+    torch.save(checkpoint, maskless)
+    cli.main(["export", "--ckpt_path", str(maskless), "--format", "compressed",
+              "--output", str(tmp_path / "c2")])  # fmt: skip
+    first, second = saved_tensors(tmp_path / "c"), saved_tensors(tmp_path / "c2")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert sum(k.endswith(".bitmask") for k in first) == 7
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
         cli.main(["export", "--ckpt_path", str(ckpt), "--output", str(tmp_path / "hf")])
-    with pytest.raises(SystemExit, match="nope.ckpt. is not a file"):
+    assert "already exists" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         cli.main(["export", "--ckpt_path", str(tmp_path / "nope.ckpt"), "--output", "x"])
+    assert "nope.ckpt' is not a file" in capsys.readouterr().err
 
 
 def test_checkpoint_of_a_recipe_given_hf_model_is_rebuilt_from_the_run_config(
@@ -277,18 +346,19 @@ def test_existing_output_is_refused_unless_overwrite_and_tokenizer_is_copied(
 ) -> None:
     model = sparse_llama()
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
+    export(model, out)
     with pytest.raises(ValueError, match=r"output=.*already exists.*overwrite=True"):
         export(model, out)
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
     tokenizer = tmp_path / "tok"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text('{"version": "1.0"}')
     export(model, out, tokenizer=tokenizer, overwrite=True)
     names = sorted(p.name for p in out.iterdir())
-    assert "keep.txt" not in names and {"config.json", "model.safetensors"} <= set(names)
+    assert {"config.json", "model.safetensors", "lightning_sparse_export.json"} <= set(names)
     assert (out / "tokenizer.json").read_text() == '{"version": "1.0"}'
+    marker = json.loads((out / "lightning_sparse_export.json").read_text())
+    assert marker["writer"] == "lightning_sparse" and marker["format"] == "hf"
+    assert sorted(marker["files"]) == sorted(set(names) - {"lightning_sparse_export.json"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tok"]  # no temporary left
 
 
@@ -297,18 +367,19 @@ def test_a_failure_while_writing_leaves_nothing(
 ) -> None:
     from lightning_sparse.integrations import compressed
 
-    def broken(path: Path, names: Any) -> None:
-        raise OSError("disk full")
+    def broken(path: Path, names: Any = None) -> None:
+        raise OSError(28, "No space left on device")
 
+    export(sparse_llama(), tmp_path / "out", format="hf")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
     monkeypatch.setattr(compressed, "compress_directory", broken)
-    with pytest.raises(OSError, match="disk full"):
-        export(sparse_llama(), tmp_path / "out", format="compressed")
-    assert list(tmp_path.iterdir()) == []
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out/keep.txt").write_text("mine")
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(OSError, match=r"export to .*new. failed: .*No space.*free space"):
+        export(sparse_llama(), tmp_path / "new", format="compressed")
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    with pytest.raises(OSError, match="No space left on device"):
         export(sparse_llama(), tmp_path / "out", format="compressed", overwrite=True)
-    assert [p.name for p in tmp_path.rglob("*")] == ["out", "keep.txt"]  # the old one, intact
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the old one, intact
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
 
 
 def test_bad_requests_are_refused_before_anything_is_written(

@@ -18,16 +18,15 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 
 from lightning_sparse.core.flop_account import FlopSegment
+from lightning_sparse.core.safe_load import load_torch_file
 from lightning_sparse.lightning.flop_meter import (  # noqa: F401  (re-exported: their old home)
     FlopMeter,
     lm_flops,
     mask_names,
     tokens_in_batch,
 )
-from lightning_sparse.core.safe_load import load_torch_file
 
 __all__ = ["FlopCounter", "FlopSegment", "lm_flops", "mask_names", "tokens_in_batch"]
 

@@ -50,7 +50,8 @@ def crafted_checkpoint(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _load_weights(path: Path, **kw: Any) -> None:
-    LoadWeights(str(path), **kw).setup(None, nn.Linear(2, 2), "fit")  # type: ignore[arg-type]
+    trainer = SimpleNamespace(is_global_zero=False, accelerator=None)  # what setup reads
+    LoadWeights(str(path), **kw).setup(trainer, nn.Linear(2, 2), "fit")  # type: ignore[arg-type]
 
 
 def _flop_counter(path: Path, **kw: Any) -> None:
@@ -123,7 +124,7 @@ def test_plain_checkpoints_load_and_other_files_are_named(tmp_path: Path) -> Non
     model = nn.Linear(2, 2)
     torch.save({"state_dict": model.state_dict(), "betas": (0.9, 0.95)}, tmp_path / "ok.ckpt")
     target = nn.Linear(2, 2)
-    trainer = SimpleNamespace(is_global_zero=False)
+    trainer = SimpleNamespace(is_global_zero=False, accelerator=None)
     LoadWeights(str(tmp_path / "ok.ckpt")).setup(trainer, target, "fit")  # type: ignore[arg-type]
     assert torch.equal(target.weight, model.weight)
     (tmp_path / "notes.txt").write_text("not a checkpoint")

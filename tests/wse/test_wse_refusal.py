@@ -45,3 +45,21 @@ def test_check_accelerator_asks_only_accelerators_that_can_refuse() -> None:
     assert isinstance(wse.accelerator, WSEAccelerator)
     with pytest.raises(ValueError, match=r"use precision in \('32-true', '64-true'\)"):
         check_accelerator(trainer(accelerator="wse", precision="bf16-true"))
+
+
+def test_refused_precision_loads_no_weights(tmp_path) -> None:
+    """`LoadWeights` (the next stage of a chained run) asks the accelerator before it loads."""
+    from lightning_sparse import LoadWeights
+
+    source = TinyLM()
+    torch.save({"state_dict": source.state_dict()}, tmp_path / "previous.ckpt")
+    module = TinyLM()
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    load = LoadWeights(str(tmp_path / "previous.ckpt"))
+    fit = trainer(accelerator="wse", precision="bf16-true", max_steps=1, callbacks=[load])
+    with pytest.raises(ValueError, match="does not support precision='bf16-true'"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fit.fit(module, token_loader())
+    assert not load.loaded
+    assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())

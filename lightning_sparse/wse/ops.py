@@ -33,7 +33,7 @@ from lightning_sparse.core.masking import zero_pruned_
 from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
 
-__all__ = ["inference_runner", "run_path"]
+__all__ = ["csr_runner", "inference_runner", "run_path"]
 
 
 def inference_runner(
@@ -66,30 +66,69 @@ def inference_runner(
         del masked
         return lambda x: F.linear(x, dense, bias)
     bias = None if bias is None else bias.detach().contiguous()
+    run = csr_runner(path, csr.crow_indices, csr.col_indices, values, csr.shape, bias)
+    run.keep.append(csr)  # type: ignore[attr-defined]
+    return run
+
+
+def csr_runner(
+    path: str,
+    crow: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    shape: tuple[int, int],
+    bias: Tensor | None,
+) -> Callable[[Tensor], Tensor]:
+    """A function ``x [..., in] -> [..., out]`` computing ``x W^T + b`` for ``W [out, in]`` held
+    in CSR, without autograd: the forward `inference_runner` runs, on raw CSR arrays (what a
+    layer held only in CSR, `compact.CompactLinear`, has).
+
+    Args:
+        path: "compiled" (the native kernels; one token: the GEMV kernel) or "torch".
+        crow: int32 `[out + 1]` row pointers.
+        columns: int32 `[nnz]` column indices, or the one-token kernel's own 16-bit ones (int16
+            bit patterns of uint16 columns, ``in <= 65536``, float32/bfloat16 values): a
+            one-token call reads them directly, any other call widens them to int32 for that
+            call only (a transient ``[nnz]`` int32), so a layer need not hold both.
+        values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
+            float32 values, widened per multi-token call).
+        shape: `(out, in)`.
+        bias: optional contiguous `[out]`.
+
+    Raises:
+        ValueError: 16-bit columns with float64 values (the one-token kernel is float32).
+    """
+    out_features, in_features = shape
+    narrow = columns.dtype == torch.int16
+    if narrow and values.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"16-bit column indices need float32 or bfloat16 values, got {values.dtype}; "
+            "hold int32 column indices"
+        )
     if path != "compiled":
         matmul = _BACKENDS[path].matmul
-        crow, col = csr.crow_indices, csr.col_indices
 
         def run_backend(x: Tensor) -> Tensor:
             x2 = x.reshape(-1, in_features).contiguous()
-            y2 = matmul(crow, col, values, x2, out_features, bias)
+            cols = _widen(columns) if narrow else columns
+            wide = values.float() if values.dtype == torch.bfloat16 else values
+            y2 = matmul(crow, cols, wide, x2, out_features, bias)
             return y2.reshape(*x.shape[:-1], out_features)
 
+        run_backend.keep = [crow, columns, values, bias]  # type: ignore[attr-defined]
         return run_backend
     stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
     if values.dtype == torch.bfloat16:
         values = values.float()
     spmm = native.function("ls_spmm", values.dtype)
-    pointers = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), values.data_ptr())
+    pointers = (crow.data_ptr(), columns.data_ptr(), values.data_ptr())
     bias_pointer = None if bias is None else bias.data_ptr()
     spmv, one_token = None, None
     if values.dtype == torch.float32:
-        spmv, one_token = native.one_token_layout(
-            csr.crow_indices, csr.col_indices, in_features, stored
-        )
-        if stored.dtype == torch.bfloat16:
+        spmv, one_token = native.one_token_layout(crow, columns, in_features, stored)
+        if narrow or stored.dtype == torch.bfloat16:
             values = pointers = None  # type: ignore[assignment]  # built on a prefill call
-    keep = [csr, stored, values, bias, one_token]  # the pointers stay valid while it lives
+    keep = [crow, columns, stored, values, bias, one_token]  # keeps the pointers valid
 
     def run(x: Tensor) -> Tensor:
         x2 = x.reshape(-1, in_features)
@@ -102,15 +141,21 @@ def inference_runner(
                  torch.get_num_threads())  # fmt: skip
         else:
             ptrs = pointers
-            if ptrs is None:  # bf16 storage: widen per multi-token call (prefill), not kept
-                wide = stored.float()
-                ptrs = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), wide.data_ptr())
+            if ptrs is None:  # 16-bit columns or bf16 values: widened per multi-token call
+                cols = _widen(columns) if narrow else columns
+                wide = stored.float() if stored.dtype == torch.bfloat16 else stored
+                ptrs = (crow.data_ptr(), cols.data_ptr(), wide.data_ptr())
             spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
                  out.data_ptr(), torch.get_num_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
     run.keep = keep  # type: ignore[attr-defined]
     return run
+
+
+def _widen(columns: Tensor) -> Tensor:
+    """int32 `[nnz]` columns from 16-bit ones (int16 bit patterns of uint16 values)."""
+    return columns.to(torch.int32).bitwise_and_(0xFFFF)
 
 
 # --- Autograd -------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ layers. Any recipe, or any LightningCLI option, can be given on the command line
     lightning-sparse compare --steps 100                   # dense / static / SET / RigL / GraNet
     lightning-sparse sweep ...                             # see lightning_sparse/app/sweep.py
     lightning-sparse export --ckpt_path last.ckpt --output hf_model   # see app/export_cmd.py
+    lightning-sparse generate --model hf_model --prompt "def "         # see app/generate.py
 
 Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory,
 ``<logger save_dir>/version_N`` (`plan_run_dir`): logger files, ``summary.json``, ``config.yaml``
@@ -78,6 +79,7 @@ SUBCOMMAND_HELP = {
     "compare": "train recipes in turn; table and plot (compare --help)",
     "sweep": "run a W&B sweep config locally (sweep --help)",
     "export": "checkpoint -> Hugging Face directory (export --help)",
+    "generate": "continue a prompt with a sparse model served in CSR (generate --help)",
 }
 _CONFIG_ERROR_NOTE = "lightning-sparse: raised while building the configured objects"
 
@@ -105,7 +107,7 @@ class SparseCLI(LightningCLI):
         # before LightningCLI; these entries only document them).
         super()._add_subcommands(parser, **kwargs)
         action = parser._subcommands_action
-        for name in ("compare", "sweep", "export"):
+        for name in ("compare", "sweep", "export", "generate"):
             action.add_subcommand(name, self.parser_class(), help=SUBCOMMAND_HELP[name])
         for choice in action._choices_actions:
             choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
@@ -535,6 +537,10 @@ def _dispatch(args: list[str]) -> None:
         from lightning_sparse.app import export_cmd  # needs transformers only when it runs
 
         export_cmd.main(args[1:])
+    elif args and args[0] == "generate":
+        from lightning_sparse.app import generate  # needs transformers only for HF models
+
+        generate.main(args[1:])
     elif args and not args[0].startswith("-") and args[0] not in LIGHTNING_SUBCOMMANDS:
         sys.exit(f"lightning-sparse: unknown subcommand {args[0]!r}; {_EPILOG}")
     else:
@@ -565,7 +571,8 @@ def _short_error(err: BaseException) -> str:
 _EPILOG = (
     "subcommands: fit (default), validate, test, predict (LightningCLI), compare (train and "
     "tabulate several recipes: lightning-sparse compare --help), sweep (lightning-sparse sweep "
-    "--help), export (checkpoint to a Hugging Face directory: lightning-sparse export --help)"
+    "--help), export (checkpoint to a Hugging Face directory: lightning-sparse export --help), "
+    "generate (a sparse model served in CSR: lightning-sparse generate --help)"
 )
 
 

@@ -35,7 +35,7 @@ from lightning_sparse.wse.ops import csr_runner
 
 __all__ = ["BLOCK", "CompactLinear", "runs_in_csr", "unpack_bitmask"]
 
-BLOCK = 1 << 22
+BLOCK = 1 << 20
 """Mask entries unpacked at once while building (a transient bool block of this many bytes)."""
 _INT32_MAX = 2**31 - 1
 _VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)

@@ -50,7 +50,10 @@ _LIGHTNING = (
     "SparseLoadingMixin",
     "restore_checkpoint_masks",
 )
-_INTEGRATIONS = {"export": "lightning_sparse.integrations.export"}
+_INTEGRATIONS = {
+    "export": "lightning_sparse.integrations.export",
+    "load_on_wse": "lightning_sparse.integrations.serve",
+}
 """Names whose module needs the optional ``[hf]`` extra; importing them without it says so."""
 __all__ = sorted((*_CORE, *_LIGHTNING, *_INTEGRATIONS))
 

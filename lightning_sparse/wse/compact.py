@@ -287,15 +287,19 @@ def _structure(
     blocks: Iterator[Tensor], rows: int, cols: int, nnz: int, narrow: bool
 ) -> tuple[Tensor, Tensor]:
     """int32 row pointers `[rows + 1]` and column indices `[nnz]` (int16 bit patterns if
-    ``narrow``) from bool row blocks, checking the blocks hold exactly ``nnz`` kept entries."""
-    counts = torch.zeros(rows, dtype=torch.int64)
+    ``narrow``) from bool row blocks, checking the blocks hold exactly ``nnz`` kept entries.
+
+    Per block only its flat kept positions (int64) are made: a row-wise ``sum`` of a bool block
+    would widen the whole block to int64 first (8 bytes per weight of the block)."""
+    crow = torch.zeros(rows + 1, dtype=torch.int32)
     columns = torch.empty(nnz, dtype=torch.int16 if narrow else torch.int32)
     row = filled = 0
     for kept in blocks:
         flat = kept.reshape(-1).nonzero().squeeze(1)  # row-major = CSR order
         if filled + flat.numel() > nnz:
             break
-        counts[row : row + kept.shape[0]] = kept.sum(1)
+        starts = torch.arange(1, kept.shape[0] + 1, dtype=torch.int64).mul_(cols)
+        crow[row + 1 : row + 1 + kept.shape[0]] = torch.searchsorted(flat, starts).add_(filled)
         columns[filled : filled + flat.numel()] = flat.remainder_(cols)
         row, filled = row + kept.shape[0], filled + flat.numel()
     if row != rows or filled != nnz:
@@ -304,8 +308,6 @@ def _structure(
             f"the mask of a {rows}x{cols} weight has {found} kept entries but {nnz} values "
             "were given; the bitmask and the values come from different weights"
         )
-    crow = torch.zeros(rows + 1, dtype=torch.int32)
-    crow[1:] = counts.cumsum(0)
     return crow, columns
 
 

@@ -27,9 +27,11 @@ checkpoints load with ``weights_only=True`` and name no module this package impo
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import inspect
 import json
+import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,7 +197,20 @@ def load_on_wse(path: str | Path, *, inference_dtype: str | None = None) -> Serv
             "with transformers' from_pretrained"
         )
     model.eval().requires_grad_(False)
+    _trim_heap()
     return ServedModel(model, path, layers, dense)
+
+
+def _trim_heap() -> None:
+    """Give the heap pages the load's transients freed back to the system (glibc's
+    ``malloc_trim``; elsewhere nothing): freed blocks between the layers' held arrays otherwise
+    stay resident, about a third of the held bytes on one thread."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return
 
 
 # ------------------------------------------------------------------------------------ sources
@@ -446,7 +461,7 @@ def _compact(
             return None, weight
         bias = _read_bias(module, bias_key, tensors, used)
         layer = CompactLinear.from_dense(
-            weight, bias, transposed=transposed, value_dtype=value_dtype
+            weight, bias, transposed=transposed, value_dtype=value_dtype, release=tensors.release
         )
         parts = [weight]
     else:

@@ -5,14 +5,16 @@ headers, nothing read), ``read(key)`` (one tensor) and ``release(tensor)`` (give
 once used):
 
 - `SafetensorsDir`: a ``save_pretrained`` directory (``model.safetensors`` or the shards of
-  ``model.safetensors.index.json``). Each read opens its file alone, so the file's mapped pages
-  are released with the tensor: peak memory stays about one tensor above what is kept, where one
-  ``safe_open`` held for the whole load would keep every page it touched resident.
+  ``model.safetensors.index.json``). Each read opens its file alone, so the file's mapping goes
+  with the tensor, where one ``safe_open`` held for the whole load would keep every page it
+  touched resident; `release` drops a used tensor's (or block's) pages even sooner.
 - `CheckpointFile`: a Lightning checkpoint, ``torch.load(mmap=True, weights_only=True)``, keys
   under a prefix (``model.``); ``*_mask`` entries are skipped (the weights are exactly zero at
   pruned positions in every format this package writes). The whole file stays mapped while the
-  load runs, so `release` drops a used tensor's pages (``madvise(MADV_DONTNEED)`` on Linux: a
-  private, never written mapping re-reads them from the file if touched again).
+  load runs, so `release` drops a used tensor's pages.
+
+`release` is ``madvise(MADV_DONTNEED)`` on Linux, on pages inside this file's mappings only (a
+private, never written mapping re-reads them from the file if touched again); elsewhere a no-op.
 
 `compressed_groups` finds compressed-tensors ``sparse-bitmask`` weights among the keys.
 Nothing here unpickles arbitrary objects: safetensors holds tensors only, checkpoints load with
@@ -80,6 +82,7 @@ class SafetensorsDir:
                 "is not a save_pretrained directory; pass an export directory or a .ckpt file"
             )
         self._file_of: dict[str, Path] = {}
+        self._mapped: list[tuple[int, int]] = []
         self.shapes = {}
         for file in files:
             full = path / file
@@ -97,11 +100,16 @@ class SafetensorsDir:
     def read(self, key: str) -> Tensor:
         from safetensors import safe_open
 
-        with safe_open(str(self._file_of[key]), framework="pt") as f:
-            return f.get_tensor(key)
+        file = self._file_of[key]
+        with safe_open(str(file), framework="pt") as f:
+            tensor = f.get_tensor(key)  # its pages stay mapped from the file while it lives
+        self._mapped = _mappings_of(file)
+        return tensor
 
     def release(self, tensor: Tensor) -> None:
-        """Nothing to do: the tensor's file mapping closes with it."""
+        """Drop the resident pages of a used tensor (or a block of one) mapped from the file
+        (the mapping itself closes with the tensor)."""
+        _drop_pages(tensor, self._mapped)
 
 
 class CheckpointFile:
@@ -132,16 +140,8 @@ class CheckpointFile:
         return self._tensors.pop(key)
 
     def release(self, tensor: Tensor) -> None:
-        """Drop the resident pages of a used tensor, if they are mapped from the file."""
-        if tensor.numel() == 0:
-            return
-        start = tensor.data_ptr()
-        end = start + tensor.numel() * tensor.element_size()
-        page = mmap.PAGESIZE
-        first, last = -(-start // page) * page, end // page * page  # whole pages inside it
-        if last > first and any(lo <= first and last <= hi for lo, hi in self._mapped):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
+        """Drop the resident pages of a used tensor (or a block of one) mapped from the file."""
+        _drop_pages(tensor, self._mapped)
 
 
 def compressed_groups(shapes: Mapping[str, Any]) -> dict[str, str]:
@@ -149,6 +149,21 @@ def compressed_groups(shapes: Mapping[str, Any]) -> dict[str, str]:
     prefixes = {k.rpartition(".")[0] for k in shapes if k.rpartition(".")[2] == "compressed"}
     whole = [p for p in sorted(prefixes) if all(f"{p}.{part}" in shapes for part in BITMASK_PARTS)]
     return {f"{p}.weight": p for p in whole}
+
+
+def _drop_pages(tensor: Tensor, mapped: list[tuple[int, int]]) -> None:
+    """``madvise(MADV_DONTNEED)`` on the whole pages of a contiguous tensor that lie in one of
+    the ``mapped`` file ranges (private, never written: the kernel re-reads them from the file
+    if they are touched again); anything else is left alone."""
+    if tensor.numel() == 0 or not tensor.is_contiguous():
+        return
+    start = tensor.data_ptr()
+    end = start + tensor.numel() * tensor.element_size()
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page  # whole pages inside it
+    if last > first and any(lo <= first and last <= hi for lo, hi in mapped):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def _mappings_of(path: Path) -> list[tuple[int, int]]:

@@ -123,6 +123,7 @@ class CompactLinear(nn.Module):
         *,
         transposed: bool = False,
         value_dtype: torch.dtype | None = None,
+        release: Callable[[Tensor], None] | None = None,
     ) -> CompactLinear:
         """The layer of a dense weight whose pruned entries are exactly zero: its nonzeros are
         kept (``weight`` itself is not held).
@@ -130,20 +131,33 @@ class CompactLinear(nn.Module):
         Args:
             weight: `[out, in]`, or `[in, out]` with ``transposed`` (an HF ``Conv1D``).
             bias, value_dtype: as in `from_bitmask`.
+            release: called with each row block of a contiguous ``[out, in]`` weight once a
+                pass has read it (two passes: count, then values and columns): a reader whose
+                weight is mapped from a file gives the block's pages back, so one block, not
+                the whole weight, is resident at a time.
         """
         w = weight.detach().t() if transposed else weight.detach()  # [out, in]
         step = max(1, BLOCK // max(w.shape[1], 1))
-        nnz = sum(int(torch.count_nonzero(w[r : r + step])) for r in range(0, w.shape[0], step))
-        dtype = _held_dtype(w.dtype, value_dtype)
-        values = torch.empty(nnz, dtype=dtype)
-        filled = 0
-        for r in range(0, w.shape[0], step):
-            block = w[r : r + step]
-            kept = block[block != 0]
-            values[filled : filled + kept.numel()] = kept
-            filled += kept.numel()
-        blocks = (w[r : r + step] != 0 for r in range(0, w.shape[0], step))
-        return cls._build(tuple(w.shape), blocks, values, bias, False, None)
+        starts = range(0, w.shape[0], step)
+        done = release if release is not None and w.is_contiguous() else (lambda block: None)
+        nnz = 0
+        for r in starts:
+            nnz += int(torch.count_nonzero(w[r : r + step]))
+            done(w[r : r + step])
+        values = torch.empty(nnz, dtype=_held_dtype(w.dtype, value_dtype))
+
+        def kept_blocks() -> Iterator[Tensor]:  # fills `values` as `_build` consumes the masks
+            filled = 0
+            for r in starts:
+                block = w[r : r + step]
+                kept = block != 0
+                found = block[kept]
+                values[filled : filled + found.numel()] = found[: max(nnz - filled, 0)]
+                filled += found.numel()
+                done(block)
+                yield kept
+
+        return cls._build(tuple(w.shape), kept_blocks(), values, bias, False, None)
 
     @classmethod
     def _build(

@@ -7,7 +7,8 @@
 ``--model`` is a compressed export (``export --format compressed``), a dense ``hf`` export or a
 ``fit`` checkpoint; it is loaded by `lightning_sparse.integrations.serve.load_on_wse`, which never
 builds the dense model. Text becomes tokens with ``--tokenizer DIR``, else the tokenizer saved in
-the export directory, else bytes (models with a 256-token vocabulary, as the recipes train). The
+the export directory (for a checkpoint: the one its run's ``config.yaml`` names in ``data``),
+else bytes (models with a 256-token vocabulary, as the byte-level recipes train). The
 continuation goes to stdout; one line on stderr says what ran in CSR and the tokens per second.
 """
 
@@ -100,6 +101,8 @@ def _codec(served: ServedModel, tokenizer: str | None) -> tuple[Any, Any]:
     if where is None and served.source.is_dir():
         if any((served.source / name).is_file() for name in _TOKENIZER_FILES):
             where = str(served.source)
+    elif where is None:
+        where = _run_tokenizer(served.source)
     if where is not None:
         from transformers import AutoTokenizer
 
@@ -118,6 +121,24 @@ def _codec(served: ServedModel, tokenizer: str | None) -> tuple[Any, Any]:
         lambda text: list(text.encode("utf-8")),
         lambda ids: bytes(ids).decode("utf-8", errors="replace"),
     )
+
+
+def _run_tokenizer(ckpt: Path) -> str | None:
+    """The tokenizer directory a checkpoint's run trained with: ``data.init_args.tokenizer`` or
+    ``save_tokenizer`` of its ``config.yaml`` (`TokenizedTextDataModule`), if it exists."""
+    import yaml
+
+    for config in (ckpt.parent / "config.yaml", ckpt.parent.parent / "config.yaml"):
+        if config.is_file():
+            recipe = yaml.safe_load(config.read_text()) or {}
+            data = recipe.get("data") if isinstance(recipe, dict) else None
+            args = (data or {}).get("init_args") or {} if isinstance(data, dict) else {}
+            for key in ("tokenizer", "save_tokenizer"):
+                found = args.get(key) if isinstance(args, dict) else None
+                if isinstance(found, str) and Path(found).is_dir():
+                    return found
+            return None
+    return None
 
 
 def _vocab_size(served: ServedModel) -> int:

@@ -11,6 +11,7 @@ import pickle
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
-from lightning_sparse import Static, export  # noqa: E402
+from lightning_sparse import Static, export, strip_masks  # noqa: E402
 from lightning_sparse.integrations.compressed import load_compressed  # noqa: E402
 from lightning_sparse.integrations.serve import load_on_wse  # noqa: E402
 from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E402
@@ -199,25 +200,48 @@ def test_a_llama_checkpoint_generates_the_tokens_of_on_wse(tmp_path: Path, masks
     torch.testing.assert_close(served.logits(ids), logits, rtol=1e-5, atol=1e-5)
 
 
-def test_an_hf_checkpoint_is_built_from_the_run_config(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    """A small byte-level BPE and the directory it is saved in."""
+    pytest.importorskip("tokenizers")
+    from lightning_sparse.data.tokenized import train_byte_bpe
+
+    tokenizer = train_byte_bpe(["def main():\n    return 1\n" * 20, "import os\n" * 20], 300)
+    directory = tmp_path_factory.mktemp("bpe")
+    tokenizer.save_pretrained(directory)
+    return tokenizer, directory
+
+
+def test_an_hf_checkpoint_is_built_from_the_run_config(
+    tmp_path: Path, bpe: tuple[Any, Path]
+) -> None:
+    tokenizer, tokenizer_dir = bpe
     torch.manual_seed(0)
-    fields = hf_llama_fields(vocab_size=256, max_position_embeddings=64)
+    fields = hf_llama_fields(vocab_size=len(tokenizer), max_position_embeddings=64)
     lit = LitCausalLM(model=HFCausalLM(config={"model_type": "llama", **fields})).eval()
     lit.model.apply(Static(0.9))
     state = {k: v for k, v in lit.state_dict().items()}
     for key in [k for k in state if k.endswith("_mask")]:
         state[key[: -len("_mask")]] = state[key[: -len("_mask")]] * state[key]
     torch.save({"state_dict": state, "hyper_parameters": dict(lit.hparams)}, tmp_path / "x.ckpt")
-    recipe = {"model": {"init_args": {"model": {
-        "class_path": "lightning_sparse.models.hf.HFCausalLM",
-        "init_args": {"config": {"model_type": "llama", **fields}},
-    }}}}  # fmt: skip
+    recipe = {
+        "model": {"init_args": {"model": {
+            "class_path": "lightning_sparse.models.hf.HFCausalLM",
+            "init_args": {"config": {"model_type": "llama", **fields}},
+        }}},
+        "data": {"init_args": {"save_tokenizer": str(tokenizer_dir)}},
+    }  # fmt: skip
     (tmp_path / "config.yaml").write_text(json.dumps(recipe))  # JSON is YAML
     served = load_on_wse(tmp_path / "x.ckpt")
     assert type(served.model).__name__ == "LlamaForCausalLM" and len(served.layers) == 14
-    ids = prompt()
+    ids = torch.tensor([tokenizer("import os", add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         torch.testing.assert_close(served.logits(ids), lit(ids), rtol=1e-5, atol=1e-5)
+    new = served.generate(ids, 5)[0, ids.shape[1] :]
+    done = run_cli("--model", str(tmp_path / "x.ckpt"), "--prompt", "import os",
+                   "--max_new_tokens", "5")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == tokenizer.decode(new, skip_special_tokens=True) + "\n"
 
 
 # --------------------------------------------------------------------------------- bad inputs
@@ -306,3 +330,41 @@ def test_the_generate_command_continues_a_prompt(exports: dict[str, Path]) -> No
     bad = run_cli("--model", str(exports["compressed"] / "missing"), "--prompt", "x")
     assert bad.returncode == 1 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "does not exist" in bad.stderr
+
+
+def test_a_sharded_export_and_its_tokenizer_serve_from_the_command_line(
+    tmp_path: Path, bpe: tuple[Any, Path]
+) -> None:
+    tokenizer, tokenizer_dir = bpe
+    torch.manual_seed(0)
+    fields = hf_llama_fields(vocab_size=len(tokenizer), max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields)).eval()
+    model.apply(Static(0.9))
+    model.save_pretrained(
+        tmp_path / "sharded", state_dict=strip_masks(model), max_shard_size="40KB"
+    )
+    for file in tokenizer_dir.iterdir():
+        (tmp_path / "sharded" / file.name).write_bytes(file.read_bytes())
+    assert len(list((tmp_path / "sharded").glob("*.safetensors"))) > 1
+    served = load_on_wse(tmp_path / "sharded")
+    ids = torch.tensor([tokenizer("def main", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        torch.testing.assert_close(served.logits(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+    expected = tokenizer.decode(
+        served.generate(ids, 5)[0, ids.shape[1] :], skip_special_tokens=True
+    )
+    done = run_cli(
+        "--model", str(tmp_path / "sharded"), "--prompt", "def main", "--max_new_tokens", "5"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == expected + "\n"
+    (tmp_path / "byteless").mkdir()  # the same weights without their tokenizer: vocab != 256
+    for file in (tmp_path / "sharded").glob("*.json"):
+        if not file.name.startswith("tokenizer"):
+            (tmp_path / "byteless" / file.name).write_bytes(file.read_bytes())
+    for file in (tmp_path / "sharded").glob("*.safetensors"):
+        (tmp_path / "byteless" / file.name).write_bytes(file.read_bytes())
+    bad = run_cli("--model", str(tmp_path / "byteless"), "--prompt", "x")
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1
+    assert f"{len(tokenizer)}-token vocabulary and no tokenizer" in bad.stderr
+    assert "--tokenizer DIR" in bad.stderr

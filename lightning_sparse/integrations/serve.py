@@ -17,20 +17,15 @@ columns are at most half its dense bytes, the rule the executor applies to decod
 sparsity in fp32); denser weights, shared (tied) ones and those of other modules are loaded as
 ordinary dense parameters.
 
-The model is built on the ``meta`` device (no parameter allocated), then each tensor is read,
-converted and installed in turn, so peak memory stays about one layer's transient above what the
-served model holds. Non-persistent buffers (rotary tables) are computed: this package's `Llama`
-by `rope_tables`, a ``transformers`` model by its own ``_init_weights``. Files are untrusted:
-``config.json``'s architecture must be one of transformers' causal LMs (no remote code),
-checkpoints load with ``weights_only=True`` and name no module this package imports.
+The model is built on the ``meta`` device (`serve_model.describe`: no parameter allocated;
+files are untrusted, see there), then each tensor is read (`serve_files`), converted and installed
+in turn (`_install`), so peak memory stays about one layer's transient above what the served
+model holds.
 """
 
 from __future__ import annotations
 
 import ctypes
-import dataclasses
-import inspect
-import json
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,22 +36,14 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparse.core.layouts import is_hf_conv1d
-from lightning_sparse.integrations.serve_files import (
-    CheckpointFile,
-    SafetensorsDir,
-    TensorFile,
-    compressed_groups,
-)
-from lightning_sparse.models.lit_lm import LitCausalLM
-from lightning_sparse.models.llama import Llama, LlamaConfig, generate, rope_tables
+from lightning_sparse.integrations.serve_files import TensorFile, compressed_groups
+from lightning_sparse.integrations.serve_model import FIX, describe
+from lightning_sparse.models.llama import Llama, generate
 from lightning_sparse.wse.compact import CompactLinear, runs_in_csr, unpack_bitmask
 
 __all__ = ["INFERENCE_DTYPES", "ServedModel", "load_on_wse"]
 
 INFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_LIT_CLASSES = ("lightning_sparse.models.LitCausalLM", "lightning_sparse.models.lit_lm.LitCausalLM")
-_HF_CLASSES = ("lightning_sparse.models.HFCausalLM", "lightning_sparse.models.hf.HFCausalLM")
-_FIX = "pass a compressed or hf export directory, or a lightning-sparse fit checkpoint (.ckpt)"
 
 
 @dataclass
@@ -179,15 +166,12 @@ def load_on_wse(path: str | Path, *, inference_dtype: str | None = None) -> Serv
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{str(path)!r} does not exist; {_FIX}")
+        raise FileNotFoundError(f"{str(path)!r} does not exist; {FIX}")
     if inference_dtype is not None and inference_dtype not in INFERENCE_DTYPES:
         raise ValueError(
             f"inference_dtype={inference_dtype!r} must be None or one of {tuple(INFERENCE_DTYPES)}"
         )
-    if path.is_dir():
-        model, tensors = _from_directory(path)
-    else:
-        model, tensors = _from_checkpoint(path)
+    model, tensors = describe(path)
     wanted = None if inference_dtype is None else INFERENCE_DTYPES[inference_dtype]
     layers, dense = _install(model, tensors, wanted)
     if not layers:
@@ -211,135 +195,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         return
-
-
-# ------------------------------------------------------------------------------------ sources
-def _from_directory(path: Path) -> tuple[nn.Module, TensorFile]:
-    if not (path / "config.json").is_file():
-        raise ValueError(f"{str(path)!r} has no config.json: it is not an export directory; {_FIX}")
-    import transformers
-
-    try:
-        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        raise ValueError(f"{str(path / 'config.json')!r} is not a model config: {err}") from err
-    sparsity = (getattr(config, "quantization_config", None) or {}).get("sparsity_config") or {}
-    if sparsity and sparsity.get("format") != "sparse-bitmask":
-        raise ValueError(
-            f"{str(path)!r} is compressed as {sparsity.get('format')!r}; only 'sparse-bitmask' "
-            "(lightning_sparse.export(..., format='compressed')) is read"
-        )
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = _hf_skeleton(config, str(path / "config.json"))
-    if (path / "generation_config.json").is_file():
-        model.generation_config = transformers.GenerationConfig.from_pretrained(path)
-    return model, SafetensorsDir(path)
-
-
-def _from_checkpoint(path: Path) -> tuple[nn.Module, TensorFile]:
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except (RuntimeError, ValueError, OSError) as err:
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        raise ValueError(
-            f"{str(path)!r} is not a checkpoint torch.load reads safely (weights_only=True): "
-            f"{first}; {_FIX}"
-        ) from err
-    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
-        raise ValueError(f"{str(path)!r} has no 'state_dict': not a Lightning checkpoint; {_FIX}")
-    hparams = dict(checkpoint.get("hyper_parameters") or {})
-    class_path = hparams.get("_class_path", _LIT_CLASSES[0])
-    if class_path not in _LIT_CLASSES:
-        raise ValueError(
-            f"{str(path)!r} holds a {class_path!r}; generate serves checkpoints of "
-            "lightning_sparse.models.LitCausalLM (export other models first)"
-        )
-    recipe_model = _recipe_model(path)
-    if recipe_model is None:
-        model = _llama_skeleton(hparams, str(path))
-        return model, CheckpointFile(path, checkpoint["state_dict"], "model.")
-    if not isinstance(recipe_model, dict) or recipe_model.get("class_path") not in _HF_CLASSES:
-        raise ValueError(
-            f"the run config next to {str(path)!r} gives model.init_args.model = "
-            f"{recipe_model!r}; generate serves this package's Llama or HFCausalLM only"
-        )
-    from lightning_sparse.models.hf import load_config
-
-    args = recipe_model.get("init_args") or {}
-    config = load_config(args["config"] if args.get("config") is not None else args["path"])
-    model = _hf_skeleton(config, str(path))
-    return model, CheckpointFile(path, checkpoint["state_dict"], "model.model.")
-
-
-def _recipe_model(ckpt: Path) -> Any:
-    """``model.init_args.model`` of the run's ``config.yaml`` next to the checkpoint, or None."""
-    import yaml
-
-    for config in (ckpt.parent / "config.yaml", ckpt.parent.parent / "config.yaml"):
-        if config.is_file():
-            recipe = yaml.safe_load(config.read_text()) or {}
-            model = recipe.get("model") if isinstance(recipe, dict) else None
-            return ((model or {}).get("init_args") or {}).get("model")
-    return None
-
-
-# ----------------------------------------------------------------------------------- skeletons
-def _hf_skeleton(config: Any, where: str) -> nn.Module:
-    """The ``transformers`` causal LM of ``config`` on the meta device, non-persistent buffers
-    computed on the CPU."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    allowed = set()
-    for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        allowed.update((names,) if isinstance(names, str) else names)
-    architecture = (getattr(config, "architectures", None) or [None])[0]
-    if architecture is None:
-        architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
-        architecture = architecture if isinstance(architecture, str) else None
-    if architecture not in allowed or not hasattr(transformers, architecture):
-        raise ValueError(
-            f"{where}: architecture {architecture!r} is not one of transformers' causal LMs; "
-            "generate serves AutoModelForCausalLM architectures only"
-        )
-    with torch.device("meta"):
-        model = getattr(transformers, architecture)._from_config(config)
-    for name, module in model.named_modules():
-        buffers = [
-            b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None
-        ]
-        if not buffers:
-            continue
-        if any(p is not None for p in module._parameters.values()) or any(
-            not (module._buffers[b].is_floating_point()) for b in buffers
-        ):
-            raise ValueError(f"{where}: cannot compute the buffers {buffers} of {name!r}")
-        for b in buffers:  # NaN until computed: left NaN means the model cannot make it
-            module._buffers[b] = torch.full(module._buffers[b].shape, float("nan"))
-        model._init_weights(module)
-        if any(module._buffers[b].isnan().any() for b in buffers):
-            raise ValueError(f"{where}: {architecture} does not compute {name!r}'s {buffers}")
-    return model
-
-
-def _llama_skeleton(hparams: dict[str, Any], where: str) -> Llama:
-    """This package's `Llama` from a `LitCausalLM`'s hyper-parameters, on the meta device."""
-    defaults = inspect.signature(LitCausalLM.__init__).parameters
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    values = {
-        name: hparams.get(name, defaults[name].default) for name in fields if name in defaults
-    }
-    try:
-        config = LlamaConfig(**values)
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: hyper_parameters do not describe a Llama: {err}") from err
-    with torch.device("meta"):
-        model = Llama(config)
-    cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
-    model.register_buffer("rope_cos", cos, persistent=False)
-    model.register_buffer("rope_sin", sin, persistent=False)
-    return model
 
 
 # ------------------------------------------------------------------------------------ install

@@ -76,6 +76,7 @@ class CompactLinear(nn.Module):
         self.register_buffer("values", values, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._runner: Callable[[Tensor], Tensor] | None = None
+        self._dtype = self.compute_dtype
 
     @classmethod
     def from_bitmask(
@@ -220,7 +221,7 @@ class CompactLinear(nn.Module):
         runner = self._runner
         if runner is None:
             runner = self._runner = self._make_runner()
-        if input.dtype != self.compute_dtype or input.shape[-1:] != (self.in_features,):
+        if input.dtype is not self._dtype or input.shape[-1:] != (self.in_features,):
             raise ValueError(
                 f"CompactLinear({self.in_features} -> {self.out_features}) takes "
                 f"{self.compute_dtype} [..., {self.in_features}] inputs, got {input.dtype} "
@@ -234,6 +235,14 @@ class CompactLinear(nn.Module):
         return runner(input)
 
     def _make_runner(self) -> Callable[[Tensor], Tensor]:
+        """The layer's `csr_runner` (compiled path, "torch" without the native library); the
+        pointers it holds stay valid until `_apply` replaces the buffers."""
+        if self.values.device.type != "cpu":
+            raise ValueError(
+                f"CompactLinear runs on the CPU (the emulated device); its tensors are on "
+                f"{self.values.device}"
+            )
+        self._dtype = self.compute_dtype
         path = "compiled" if native.unavailable_reason() is None else "torch"
         if path == "torch" and self.col_indices.dtype == torch.int16:
             raise ValueError("16-bit column indices need the compiled kernels")

@@ -150,3 +150,13 @@ def test_csr_is_chosen_where_decode_pays() -> None:
     numel = 1024 * 1024
     assert runs_in_csr((1024, 1024), int(0.1 * numel), 4)  # 90% sparse
     assert not runs_in_csr((1024, 1024), int(0.5 * numel), 4)  # 50%: dense decodes faster
+
+
+def test_a_dtype_change_rebuilds_the_runner() -> None:
+    weight = sparse_weight((4, 70001), 0.01)  # int32 columns: float64 can run on them
+    layer = CompactLinear.from_dense(weight)
+    x = torch.randn(2, 70001, dtype=torch.float64)
+    with torch.no_grad():
+        layer(x.float())
+        layer.double()  # replaces the value buffer the first runner pointed into
+        torch.testing.assert_close(layer(x), F.linear(x, weight.double()), rtol=1e-9, atol=1e-9)

@@ -110,6 +110,11 @@ class ServedModel:
         with the model's KV cache: `Llama.generate`, or ``transformers``' ``generate`` (which
         stops early at the end-of-sequence token). Returns ``[B, T + n]``.
 
+        Args:
+            ids, max_new_tokens, temperature, top_k: as in `Llama.generate`.
+            generator: the sampling generator of a `Llama`; ``transformers`` samples from the
+                global generator (``torch.manual_seed``).
+
         Raises:
             ValueError: the result would exceed a ``transformers`` model's positions.
         """

@@ -79,7 +79,7 @@ def held_bytes(model: nn.Module, transpose: bool, value_bytes: int = 4) -> int:
             total += csr.nbytes
             continue
         # Inference: forward-only structure, the cached values, and the one-token kernel's own
-        # 16-bit column indices (in <= 65536; see kernels._one_token_layout).
+        # 16-bit column indices (in <= 65536; see native.one_token_layout).
         one_token = 2 * csr.nnz if csr.shape[1] <= 1 << 16 else 0
         total += csr.nbytes + csr.nnz * value_bytes + one_token
     return total

@@ -54,6 +54,7 @@ _LIGHTNING = (
 _INTEGRATIONS = {
     "export": "lightning_sparse.integrations.export",
     "load_compressed": "lightning_sparse.integrations.compressed",
+    "load_on_wse": "lightning_sparse.integrations.serve",
 }
 """Names whose module needs the optional ``[hf]`` extra; importing them without it says so."""
 __all__ = sorted((*_CORE, *_LIGHTNING, *_INTEGRATIONS))

@@ -7,6 +7,7 @@ command line: each subcommand in its module, expected failures as a few lines).
     lightning-sparse compare --steps 100                   # dense / static / SET / RigL / GraNet
     lightning-sparse sweep ...                             # see lightning_sparse/app/sweep.py
     lightning-sparse export --ckpt_path last.ckpt --output hf_model   # see app/export_cmd.py
+    lightning-sparse generate --model hf_model --prompt "def "         # see app/generate.py
 
 The subcommands and their modules are listed in `lightning_sparse.app.common.SUBCOMMANDS`
 (adding one is a line there and a module with ``main(args)``); ``fit`` / ``validate`` / ``test``

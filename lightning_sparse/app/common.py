@@ -64,6 +64,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("compare", "compare", "train recipes in turn; table and plot (compare --help)"),
     Subcommand("sweep", "sweep", "run a W&B sweep config locally (sweep --help)"),
     Subcommand("export", "export_cmd", "checkpoint -> Hugging Face directory (export --help)"),
+    Subcommand("generate", "generate", "text from an export or checkpoint (generate --help)"),
 )
 LIGHTNING_SUBCOMMANDS = tuple(s.name for s in SUBCOMMANDS if s.lightning)
 SUBCOMMAND_HELP = {s.name: s.help for s in SUBCOMMANDS}

@@ -8,6 +8,8 @@ YAML (``trainer.accelerator: wse``). See docs/wse.md.
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_sparse.wse.autotune import autotune_choices, clear_autotune_cache, resolve_path
+from lightning_sparse.wse.compact import CompactLinear
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.executor import (
     WSEExecutor,
@@ -16,14 +18,7 @@ from lightning_sparse.wse.executor import (
     on_wse,
     register_masks,
 )
-from lightning_sparse.wse.kernels import (
-    PATHS,
-    autotune_choices,
-    clear_autotune_cache,
-    compiled_available,
-    resolve_path,
-    sparse_linear,
-)
+from lightning_sparse.wse.kernels import sparse_linear
 from lightning_sparse.wse.lightning import (
     WSEAccelerator,
     WSEDDPStrategy,
@@ -31,6 +26,8 @@ from lightning_sparse.wse.lightning import (
     WSEStrategy,
     check_precision,
 )
+from lightning_sparse.wse.native import compiled_available
+from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
 if WSEAccelerator.name() not in AcceleratorRegistry:
@@ -42,6 +39,7 @@ for _strategy in (WSEStrategy, WSEDDPStrategy):
 __all__ = [
     "PATHS",
     "CSRWeight",
+    "CompactLinear",
     "LayerMemory",
     "WSEAccelerator",
     "WSEDDPStrategy",

@@ -7,7 +7,7 @@ device would store them: two index sets of `nnz` entries plus two row-pointer ar
 kept weight (0.2x a dense fp32 weight at 90% sparsity). Values are gathered from the live weight
 when a kernel needs them (`gather_values`, `gather_values_t`), so an optimizer step never
 invalidates a `CSRWeight`, only a mask change does. Building is one native pass over the mask when
-the compiled kernels are available (see `kernels.py`), else a handful of vectorised tensor ops;
+the compiled kernels are available (see `native.py`), else a handful of vectorised tensor ops;
 never a Python loop over elements.
 """
 
@@ -146,15 +146,15 @@ class CSRWeight:
             self._transposed() if transposed else (self.crow_indices, self.col_indices)
         )
         if _native_gather_ok(weight):
-            from lightning_sparse.wse import kernels  # deferred: kernels.py builds on this module
+            from lightning_sparse.wse import native  # deferred: native.py is loaded on first use
 
             out = weight.new_empty(self.nnz)
             if not weight.is_contiguous() and weight.t().is_contiguous():
                 # W = V^T of a contiguous V (an HF Conv1D's [in, out] weight): W's CSR order is
                 # V's transposed-CSR order and vice versa, so gather from V without a copy.
-                kernels.native_gather(pointers, indices, weight.t(), not transposed, out)
+                native.gather(pointers, indices, weight.t(), not transposed, out)
                 return out
-            kernels.native_gather(pointers, indices, weight.contiguous(), transposed, out)
+            native.gather(pointers, indices, weight.contiguous(), transposed, out)
             return out
         return weight.reshape(-1).index_select(0, self.flat_indices(transposed))
 
@@ -211,9 +211,9 @@ def _native_gather_ok(weight: Tensor) -> bool:
         return False
     if type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return False
-    from lightning_sparse.wse import kernels
+    from lightning_sparse.wse import native
 
-    return kernels.native_unavailable_reason() is None
+    return native.unavailable_reason() is None
 
 
 def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
@@ -225,12 +225,12 @@ def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
 def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """int32 `(crow, col, t_crow, t_col)` of a bool mask, natively or in PyTorch."""
     if compiled is not False and mask.device.type == "cpu":
-        # Deferred import: kernels.py builds on this module, and owns the native library.
-        from lightning_sparse.wse import kernels
+        # Deferred import: the native library is built on first use.
+        from lightning_sparse.wse import native
 
-        reason = kernels.native_unavailable_reason()
+        reason = native.unavailable_reason()
         if reason is None:
-            crow, col, _, t_crow, t_col, _ = kernels.native_csr_indices(mask)
+            crow, col, _, t_crow, t_col, _ = native.csr_indices(mask)
             return crow, col, t_crow, t_col
         if compiled:
             raise ValueError(f"compiled=True but the native CSR builder is unavailable: {reason}")

@@ -59,13 +59,11 @@ from torch import Tensor, nn
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.state_dict import restore_masks
+from lightning_sparse.wse.autotune import resolve_path
 from lightning_sparse.wse.csr import CSRWeight
-from lightning_sparse.wse.kernels import (
-    PATHS,
-    inference_runner,
-    resolve_path,
-    sparse_linear,
-)
+from lightning_sparse.wse.kernels import sparse_linear
+from lightning_sparse.wse.ops import inference_runner
+from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
 __all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]

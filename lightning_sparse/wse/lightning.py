@@ -55,8 +55,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_sparse.wse.autotune import PATH_ENV
 from lightning_sparse.wse.executor import WSEExecutor, install_executor
-from lightning_sparse.wse.kernels import PATH_ENV, PATHS
+from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import WSEStats
 
 __all__ = [

@@ -2,7 +2,8 @@
 
 Quick forms: LightningCLI commands run with ``--print_config`` (the whole command line is parsed
 and validated, nothing trains), ``compare`` through its own parser with every recipe resolved,
-``sweep`` with ``--dry-run`` on a real sweep file, ``export`` through its own parser.
+``sweep`` with ``--dry-run`` on a real sweep file, ``export`` and ``generate`` through their own
+parsers.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ def test_documented_command_parses(
 
         options = export_cmd._parser().parse_args(argv[1:])
         assert options.ckpt_path.endswith(".ckpt"), where
+        return
+    if sub == "generate":  # parsed only: tests/integrations/test_serve.py runs it on an export
+        from lightning_sparse.app import generate
+
+        options = generate._parser().parse_args(argv[1:])
+        assert options.prompt and options.max_new_tokens > 0, where
         return
     args = list(argv) if argv else ["fit"]
     with pytest.raises(SystemExit) as done:

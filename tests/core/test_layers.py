@@ -18,7 +18,7 @@ ALLOWED = {
     "models": {"core", "lightning"},
     "data": {"core", "lightning"},
     "wse": {"core", "lightning"},
-    "integrations": {"core", "lightning", "models"},
+    "integrations": {"core", "lightning", "models", "wse"},
     "app": {"core", "lightning", "wse", "models", "data", "recipes", "integrations"},
 }
 THIRD_PARTY_FORBIDDEN = {"core": {"lightning", "pytorch_lightning", "jsonargparse", "wandb"}}

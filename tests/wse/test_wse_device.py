@@ -594,17 +594,17 @@ def test_inference_input_on_another_device_is_a_clear_error() -> None:
 
 # ------------------------------------------------------------------ the dense fallback
 def _masked_weight_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the dense path's masking (`kernels._MaskedWeight`) calls."""
-    from lightning_sparse.wse import kernels
+    """Counts the dense path's masking (`ops._MaskedWeight`) calls."""
+    from lightning_sparse.wse import ops
 
     calls: list[int] = []
-    original = kernels._MaskedWeight.apply
+    original = ops._MaskedWeight.apply
 
     def counted(*args: Any) -> torch.Tensor:
         calls.append(1)
         return original(*args)
 
-    monkeypatch.setattr(kernels._MaskedWeight, "apply", counted)
+    monkeypatch.setattr(ops._MaskedWeight, "apply", counted)
     return calls
 
 

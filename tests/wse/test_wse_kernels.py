@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_sparse.wse import CSRWeight, kernels, sparse_linear
+from lightning_sparse.wse import CSRWeight, autotune, kernels, native, policy, sparse_linear
 from lightning_sparse.wse.kernels import PATH_ENV, autotune_choices, clear_autotune_cache
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
@@ -20,7 +20,7 @@ COMPILED = pytest.param(
     "compiled",
     marks=pytest.mark.skipif(
         not kernels.compiled_available(),
-        reason=f"native kernels unavailable: {kernels.native_unavailable_reason()}",
+        reason=f"native kernels unavailable: {native.unavailable_reason()}",
     ),
 )
 SPARSE_PATHS = ["torch", COMPILED]
@@ -105,14 +105,14 @@ def test_native_builder_equals_torch_builder(
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        native = CSRWeight.from_dense(weight, mask, compiled=True)
+        built = CSRWeight.from_dense(weight, mask, compiled=True)
     finally:
         torch.set_num_threads(previous)
     reference = CSRWeight.from_dense(weight, mask, compiled=False)
     for field in ("crow_indices", "col_indices", "t_crow_indices", "t_col_indices"):
         expected = getattr(reference, field)
-        assert getattr(native, field).dtype == expected.dtype
-        assert torch.equal(getattr(native, field), expected), field
+        assert getattr(built, field).dtype == expected.dtype
+        assert torch.equal(getattr(built, field), expected), field
 
 
 @pytest.mark.parametrize(
@@ -272,7 +272,7 @@ def test_unknown_path_names_the_choices(monkeypatch: pytest.MonkeyPatch, path: s
 
 def test_forced_compiled_path_reports_why_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     x, weight, csr = _small_problem()
-    monkeypatch.setattr(kernels, "_native_library", lambda: (None, "no compiler in this test"))
+    monkeypatch.setattr(native, "library", lambda: (None, "no compiler in this test"))
     with pytest.raises(ValueError, match="no compiler in this test"):
         sparse_linear(x, weight, csr, path="compiled")
     with pytest.raises(ValueError, match="CPU float32/float64"):
@@ -284,15 +284,15 @@ def test_forced_compiled_path_reports_why_unavailable(monkeypatch: pytest.Monkey
 @pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
 def test_compiled_path_runs_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    for name in ("_native_spmm", "_native_sddmm"):
-        original = getattr(kernels, name)
+    for name in ("spmm", "sddmm"):
+        original = getattr(native, name)
         monkeypatch.setattr(
-            kernels, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1]
+            native, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1]
         )
     x, weight, csr = _small_problem()
     x.requires_grad_(), weight.requires_grad_()
     sparse_linear(x, weight, csr, path="compiled").sum().backward()
-    assert sorted(calls) == ["_native_sddmm", "_native_spmm", "_native_spmm"]
+    assert sorted(calls) == ["sddmm", "spmm", "spmm"]
 
 
 def test_auto_measures_once_and_caches_choice() -> None:
@@ -329,9 +329,9 @@ def _fake_timings(
         timed.append((run.path, False))  # type: ignore[attr-defined]
         return seconds[run.path]  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(kernels, "_time_once", time_once)
-    monkeypatch.setattr(kernels, "inference_runner", runner)
-    monkeypatch.setattr(kernels, "_time_runner", time_runner)
+    monkeypatch.setattr(autotune, "_time_once", time_once)
+    monkeypatch.setattr(autotune, "inference_runner", runner)
+    monkeypatch.setattr(autotune, "_time_runner", time_runner)
     return timed
 
 
@@ -374,10 +374,10 @@ def test_dense_path_mask_cache_survives_inference_mode_then_training() -> None:
 
 
 def test_choose_path_margin() -> None:
-    assert kernels.choose_path({"torch": 0.96, "dense": 1.0}) == "dense"
-    assert kernels.choose_path({"torch": 0.94, "dense": 1.0}) == "torch"
-    assert kernels.choose_path({"torch": 0.96, "dense": 1.0}, margin=0.0) == "torch"
-    assert kernels.choose_path({"compiled": 0.5, "torch": 0.4}) == "torch"  # no dense: fastest
+    assert policy.choose_path({"torch": 0.96, "dense": 1.0}) == "dense"
+    assert policy.choose_path({"torch": 0.94, "dense": 1.0}) == "torch"
+    assert policy.choose_path({"torch": 0.96, "dense": 1.0}, margin=0.0) == "torch"
+    assert policy.choose_path({"compiled": 0.5, "torch": 0.4}) == "torch"  # no dense: fastest
 
 
 def test_rejects_mismatched_inputs() -> None:
@@ -470,9 +470,9 @@ def test_bf16_storage_computes_with_rounded_values_on_every_path(path: str, case
 def test_training_needs_the_wider_margin(
     monkeypatch: pytest.MonkeyPatch, requires_grad: bool
 ) -> None:
-    """A sparse path 12% faster than dense alone: enough for inference (`AUTOTUNE_MARGIN`), not
-    for a training call (`AUTOTUNE_MARGIN_TRAINING`: costs inside a step its timing misses)."""
-    assert kernels.AUTOTUNE_MARGIN < 0.12 < kernels.AUTOTUNE_MARGIN_TRAINING
+    """A sparse path 12% faster than dense alone: enough for inference (`TUNED["margin"]`), not
+    for a training call (`TUNED["margin_training"]`: costs inside a step its timing misses)."""
+    assert policy.margin(False) < 0.12 < policy.margin(True)
     clear_autotune_cache()
     _fake_timings(monkeypatch, {"compiled": 0.88, "torch": 0.89, "dense": 1.0})
     weight = torch.randn(16, 12)
@@ -493,7 +493,7 @@ def test_decode_takes_a_sparse_path_only_if_it_halves_the_bytes(
 ) -> None:
     """Few-token inference streams weights from memory in a model, which timing one layer
     (weights in cache) misses: a sparse layout must at least halve the bytes
-    (`DECODE_BYTES_RATIO`), however fast it ran alone."""
+    (`TUNED["decode_bytes_ratio"]`), however fast it ran alone."""
     clear_autotune_cache()
     _fake_timings(monkeypatch, {"compiled": 0.5, "torch": 0.5, "dense": 1.0})
     weight = torch.randn(64, 48)

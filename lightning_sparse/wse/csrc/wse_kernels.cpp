@@ -1,4 +1,4 @@
-// Native kernels of the emulated wafer-scale device (lightning_sparse/wse/kernels.py builds
+// Native kernels of the emulated wafer-scale device (lightning_sparse/wse/native.py builds
 // and loads this file with ctypes; see its docstring).
 //
 // Tokens are the vector dimension: each kernel transposes a tile of T tokens of its token-major

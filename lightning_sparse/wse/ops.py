@@ -1,0 +1,305 @@
+"""The device's operations: the sparse linear layer's autograd ops, its backends, the inference
+runner.
+
+`run_path(path, x, weight, csr, bias)` computes ``F.linear(x, weight * mask, bias)`` with the
+structure ``csr`` on one path, in value and in gradients (``grad_weight`` is dense with zeros at
+pruned positions, so optimizers see exactly what masked dense training gives them), while only
+kept weights cost FLOPs:
+
+- forward        Y = X W^T                     walks the CSR of W
+- input grad     grad_X = grad_Y W             same kernel on the CSR of W^T (`t_*` fields)
+- weight grad    grad_W[i, j] = sum_t grad_Y[t, i] X[t, j] at kept (i, j) only (SDDMM)
+
+Backends: "compiled" (the native kernels, `native.py`; tokens are the vector dimension, threads
+take tiles of tokens), "torch" (PyTorch's CSR ops, `torch.sparse.mm`,
+`torch.sparse.sampled_addmm`; any device), "dense" (`F.linear` on a masked copy, the reference).
+`inference_runner` is the forward without autograd on pre-gathered values, which the executor
+keeps while nothing changes. Which path runs is `autotune.resolve_path`'s decision.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from lightning_sparse.core.masking import zero_pruned_
+from lightning_sparse.wse import native
+from lightning_sparse.wse.csr import CSRWeight
+
+__all__ = ["csr_runner", "inference_runner", "run_path"]
+
+
+def inference_runner(
+    path: str, values: Tensor, csr: CSRWeight, weight: Tensor, mask: Tensor, bias: Tensor | None
+) -> Callable[[Tensor], Tensor]:
+    """A function ``x [..., in] -> [..., out]`` running `sparse_linear`'s forward without autograd
+    on fixed ``values`` (the executor's decode fast path: per call only the output allocation and
+    one native call, nothing re-checked; build a new runner when values, mask or path change).
+
+    Args:
+        path: "compiled", "torch" or "dense" (`resolve_path`).
+        values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
+            float32 values: every path computes in float32 with the rounded values; the
+            compiled one-token kernel reads the bf16 values directly); csr: their structure.
+        weight, mask: the live dense weight and its bool mask (used by the "dense" path).
+        bias: optional `[out]`.
+    """
+    out_features, in_features = csr.shape
+    if values.dtype == torch.bfloat16 and path != "compiled":
+        # bf16 storage (`inference_dtype`): the same rounded values on every path.
+        values = values.float()
+        if path == "dense":
+            dense = csr.to_dense(values)
+            return lambda x: F.linear(x, dense, bias)
+    if path == "dense":
+        # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
+        # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
+        masked = zero_pruned_(weight.detach().clone(), mask)
+        dense = weight.detach() if torch.equal(masked, weight) else masked
+        del masked
+        return lambda x: F.linear(x, dense, bias)
+    bias = None if bias is None else bias.detach().contiguous()
+    run = csr_runner(path, csr.crow_indices, csr.col_indices, values, csr.shape, bias)
+    run.keep.append(csr)  # type: ignore[attr-defined]
+    return run
+
+
+def csr_runner(
+    path: str,
+    crow: Tensor,
+    columns: Tensor,
+    values: Tensor,
+    shape: tuple[int, int],
+    bias: Tensor | None,
+) -> Callable[[Tensor], Tensor]:
+    """A function ``x [..., in] -> [..., out]`` computing ``x W^T + b`` for ``W [out, in]`` held
+    in CSR, without autograd: the forward `inference_runner` runs, on raw CSR arrays (what a
+    layer held only in CSR, `compact.CompactLinear`, has).
+
+    Args:
+        path: "compiled" (the native kernels; one token: the GEMV kernel) or "torch".
+        crow: int32 `[out + 1]` row pointers.
+        columns: int32 `[nnz]` column indices, or the one-token kernel's own 16-bit ones (int16
+            bit patterns of uint16 columns, ``in <= 65536``, float32/bfloat16 values): a
+            one-token call reads them directly, any other call widens them to int32 for that
+            call only (a transient ``[nnz]`` int32), so a layer need not hold both.
+        values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
+            float32 values, widened per multi-token call).
+        shape: `(out, in)`.
+        bias: optional contiguous `[out]`.
+
+    Raises:
+        ValueError: 16-bit columns with float64 values (the one-token kernel is float32).
+    """
+    out_features, in_features = shape
+    narrow = columns.dtype == torch.int16
+    if narrow and values.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"16-bit column indices need float32 or bfloat16 values, got {values.dtype}; "
+            "hold int32 column indices"
+        )
+    if path != "compiled":
+        matmul = _BACKENDS[path].matmul
+
+        def run_backend(x: Tensor) -> Tensor:
+            x2 = x.reshape(-1, in_features).contiguous()
+            cols = _widen(columns) if narrow else columns
+            wide = values.float() if values.dtype == torch.bfloat16 else values
+            y2 = matmul(crow, cols, wide, x2, out_features, bias)
+            return y2.reshape(*x.shape[:-1], out_features)
+
+        run_backend.keep = [crow, columns, values, bias]  # type: ignore[attr-defined]
+        return run_backend
+    stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
+    if values.dtype == torch.bfloat16:
+        values = values.float()
+    spmm = native.function("ls_spmm", values.dtype)
+    pointers = (crow.data_ptr(), columns.data_ptr(), values.data_ptr())
+    bias_pointer = None if bias is None else bias.data_ptr()
+    spmv, one_token = None, None
+    if values.dtype == torch.float32:
+        spmv, one_token = native.one_token_layout(crow, columns, in_features, stored)
+        if narrow or stored.dtype == torch.bfloat16:
+            values = pointers = None  # type: ignore[assignment]  # built on a prefill call
+    keep = [crow, columns, stored, values, bias, one_token]  # keeps the pointers valid
+
+    def run(x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        tokens = x2.shape[0]
+        out = x2.new_empty(tokens, out_features)
+        if tokens == 1 and spmv is not None:
+            spmv(*one_token[0], x2.data_ptr(), bias_pointer, out_features, out.data_ptr(),
+                 torch.get_num_threads())  # fmt: skip
+        else:
+            ptrs = pointers
+            if ptrs is None:  # 16-bit columns or bf16 values: widened per multi-token call
+                cols = _widen(columns) if narrow else columns
+                wide = stored.float() if stored.dtype == torch.bfloat16 else stored
+                ptrs = (crow.data_ptr(), cols.data_ptr(), wide.data_ptr())
+            spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
+                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return out.view(*x.shape[:-1], out_features)
+
+    run.keep = keep  # type: ignore[attr-defined]
+    return run
+
+
+def _widen(columns: Tensor) -> Tensor:
+    """int32 `[nnz]` columns from 16-bit ones (int16 bit patterns of uint16 values)."""
+    return columns.to(torch.int32).bitwise_and_(0xFFFF)
+
+
+# --- Autograd -------------------------------------------------------------------------------------
+class _SparseLinearFunction(torch.autograd.Function):
+    """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
+    ) -> Tensor:
+        x2 = x2.contiguous()
+        weight = weight.detach()
+        values = csr.gather_values(weight)
+        bias = None if bias is None else bias.detach().contiguous()
+        y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
+        # The weight itself is saved (no copy of its values): autograd's version check raises if
+        # it is written in place before backward, which gathers W^T's values from it.
+        ctx.save_for_backward(x2, weight)
+        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        return y2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
+        x2, weight = ctx.saved_tensors
+        csr, backend = ctx.csr, ctx.backend
+        grad_y2 = grad_y2.contiguous()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            t_values = csr.gather_values_t(weight)  # raises on a forward-only structure
+            t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
+            assert t_crow is not None and t_col is not None
+            grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
+        if ctx.needs_input_grad[1]:
+            grad_w = backend.sampled_grad(csr, grad_y2, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y2.sum(0)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _MaskedWeight(torch.autograd.Function):
+    """``weight * mask`` for a bool mask, by the bit-pattern multiply of `masking.zero_pruned_`
+    (a bool-times-float product takes a slow type-promoting loop on the CPU)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, mask: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(mask)
+        return _masked_copy(weight, mask)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        (mask,) = ctx.saved_tensors
+        return _masked_copy(grad, mask), None
+
+
+_INT_VIEW = {
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+}
+
+
+def _masked_copy(t: Tensor, mask: Tensor) -> Tensor:
+    """A new tensor: ``t`` with pruned positions exactly 0, in one pass (the bit pattern times
+    the mask, NaN/inf-safe as `masking.zero_pruned_`), without a clone first."""
+    int_dtype = _INT_VIEW.get(t.dtype)
+    if int_dtype is None or type(t) not in (Tensor, torch.nn.Parameter):
+        return zero_pruned_(t.detach().clone(), mask)
+    # uint8, not bool: an out-of-place integer-times-bool product takes a slow promoting loop on
+    # the CPU (about 3x the time of this one, measured at 1024 x 1024).
+    return (t.detach().view(int_dtype) * mask.view(torch.uint8)).view(t.dtype)
+
+
+# The bool mask of each structure the "dense" path runs on, kept while the structure lives:
+# rebuilding it from the indices every call cost the dense path up to a fifth of a dense step
+# (1024 x 1024 at 50%), which "auto" must not pay where it falls back to dense. Only structures
+# that run dense hold one (1 byte per weight, a quarter of the fp32 weight the path reads anyway).
+_DENSE_MASKS: weakref.WeakKeyDictionary[CSRWeight, Tensor] = weakref.WeakKeyDictionary()
+
+
+def _dense_mask(csr: CSRWeight) -> Tensor:
+    """``csr.to_mask()``, cached per structure (an inference-mode one is not reused outside
+    inference mode, where autograd could not save it)."""
+    mask = _DENSE_MASKS.get(csr)
+    if mask is None or (mask.is_inference() and not torch.is_inference_mode_enabled()):
+        mask = csr.to_mask()
+        _DENSE_MASKS[csr] = mask
+    return mask
+
+
+def run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
+    if path == "dense":
+        return F.linear(x, _MaskedWeight.apply(weight, _dense_mask(csr)), bias)
+    out_features, in_features = csr.shape
+    y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
+    return y2.reshape(*x.shape[:-1], out_features)
+
+
+# --- Backends -------------------------------------------------------------------------------------
+class _Backend(NamedTuple):
+    # matmul(crow, col, values, x2 [N, K], rows, bias) -> x2 @ S^T (+ bias) [N, rows] for
+    # S [rows, K] in CSR.
+    matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
+    # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
+    sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
+
+
+def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
+    with warnings.catch_warnings():  # "sparse CSR support is in beta" is noise for our callers
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+def _torch_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
+    sparse = _torch_csr(crow, col, values, (rows, x2.shape[1]))
+    out = torch.sparse.mm(sparse, x2.t()).t().contiguous()
+    return out if bias is None else out.add_(bias)
+
+
+def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
+    values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
+    return csr.to_dense(values)
+
+
+def _compiled_matmul(
+    crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
+) -> Tensor:
+    out = x2.new_empty(x2.shape[0], rows)
+    native.spmm(crow, col, values, x2, bias, out)
+    return out
+
+
+def _compiled_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    dense = x2.new_empty(csr.shape)
+    native.sddmm(csr.crow_indices, csr.col_indices, grad_y2, x2, dense)
+    return dense
+
+
+_BACKENDS = {
+    "torch": _Backend(_torch_matmul, _torch_sampled_grad),
+    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad),
+}

@@ -1,0 +1,172 @@
+"""Which kernel path runs a sparse layer: a pure policy over shape, density, machine and timings.
+
+No tensor work, no timing, no state: every function maps plain facts (a layer's shape and kept
+count, the token count, the device, dtype and whether the native library loaded, the best
+measured seconds of each candidate) to a decision, so the rules are testable without running a
+kernel. `autotune.py` measures and caches; `ops.py` runs. Every tuned constant is one row of
+`TUNED`, with the benchmark (and machine) that produced it.
+
+Paths: "compiled" (the native kernels, `native.py`), "torch" (PyTorch's CSR ops), "dense"
+(`F.linear` on the masked weight, always a candidate: the fallback that keeps the device never
+slower than dense beyond timing noise).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "PATHS",
+    "TUNED",
+    "Tuned",
+    "autotune_key",
+    "choose_path",
+    "close_call",
+    "decode_forces_dense",
+    "margin",
+    "token_bucket_of",
+    "unsupported_reason",
+]
+
+PATHS = ("compiled", "torch", "dense")
+
+
+@dataclass(frozen=True)
+class Tuned:
+    """One tuned constant of the path choice.
+
+    Attributes:
+        value: the constant.
+        benchmark: the command (and machine, date) whose measurements set it; "design" where no
+            measurement did.
+        finding: what the measurement showed.
+    """
+
+    value: float
+    benchmark: str
+    finding: str
+
+
+TUNED: dict[str, Tuned] = {
+    "margin": Tuned(
+        0.05,
+        "benchmarks/bench_sparse_linear.py (2-core Intel Xeon VM, 2026-11-23)",
+        "a sparse path must beat dense by more than this share of dense's time in inference: "
+        "one within timing noise risks being slower on the real run",
+    ),
+    "margin_training": Tuned(
+        0.2,
+        "benchmarks/bench_wse_training.py --sparsities 0.5,0.7 --threads 1 --steps 7 (2-core "
+        "Intel Xeon VM, 2026-11-23)",
+        "the margin for fwd+bwd calls: inside a step a sparse layer pays costs its timing alone "
+        "misses (inputs out of cache, per-call work); at 70% paths 8-12% faster alone made the "
+        "recipe step 10% slower than dense",
+    ),
+    "decode_bytes_ratio": Tuned(
+        0.5,
+        "benchmarks/bench_wse_decode.py --dim 1024 (2-core Intel Xeon VM, 2026-11-23)",
+        "few-token inference streams each layer's weights from memory, which timing one layer "
+        "(weights in cache) misses: a sparse path is a candidate only if its values and column "
+        "indices are at most this share of the dense bytes; at 50% (0.75 of the bytes) one-token "
+        "kernels 7-20% faster alone made decode 0.85-0.91x dense, at 70% (0.45) 1.12-1.42x",
+    ),
+    "close_call": Tuned(
+        0.2,
+        "benchmarks/bench_sparse_linear.py (2-core Intel Xeon VM, 2026-11-23, load 1.4-3.3)",
+        "a sparse path within this share of dense's best time is re-measured before the choice: "
+        "5 disturbed rounds had picked compiled at 0.91x for 4096x1024 at 70%",
+    ),
+    "close_repeats": Tuned(10, "design", "extra interleaved rounds for a close call"),
+    "repeats": Tuned(5, "design", "timed rounds per candidate (after one warm-up round)"),
+    "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),
+    "runner_calls": Tuned(
+        8, "design", "calls per timed decode sample: one call is below timer and scheduler noise"
+    ),
+}
+
+
+def unsupported_reason(
+    path: str, device_type: str, dtype: torch.dtype, native_reason: str | None
+) -> str | None:
+    """Why ``path`` cannot run on inputs of ``device_type``/``dtype`` (None when it can);
+    ``native_reason`` is why the native library is unavailable (None when it loaded)."""
+    floats = (torch.float32, torch.float64)
+    if path == "compiled":
+        if device_type != "cpu" or dtype not in floats:
+            got = f"{device_type} {dtype}"
+            return f"the compiled kernels need CPU float32/float64 tensors, got {got}"
+        return native_reason
+    if path == "torch" and device_type == "cpu" and dtype not in floats:
+        return f"PyTorch's CPU CSR kernels need float32/float64 tensors, got {dtype}"
+    return None
+
+
+def autotune_key(
+    device_type: str,
+    dtype: torch.dtype,
+    shape: tuple[int, int],
+    nnz: int,
+    tokens: int,
+    requires_grad: bool,
+    zeros_kept: bool,
+) -> tuple:
+    """The key one "auto" choice is cached under: quarter-octave density buckets and power-of-two
+    token buckets, so a GMP schedule or a short last batch reuses a choice instead of
+    re-measuring. ``zeros_kept`` (dense is plain ``F.linear`` under an algorithm) counts for
+    training calls only."""
+    numel = shape[0] * shape[1]
+    density = max(nnz / numel if numel else 1.0, 1e-9)
+    density_bucket = round(4 * math.log2(density))
+    token_bucket = 1 << max(tokens - 1, 0).bit_length()
+    return (
+        device_type, dtype, shape, density_bucket, token_bucket, requires_grad,
+        zeros_kept and requires_grad,
+    )  # fmt: skip
+
+
+def token_bucket_of(key: tuple) -> int:
+    """The token count a key's candidates are timed at."""
+    return key[4]
+
+
+def decode_forces_dense(
+    shape: tuple[int, int], nnz: int, element_size: int, tokens: int, requires_grad: bool
+) -> bool:
+    """Whether a few-token inference call must run dense, however fast a sparse path times alone:
+    its values plus column indices (16-bit up to 65536 columns) exceed
+    ``TUNED["decode_bytes_ratio"]`` of the dense weight's bytes."""
+    if requires_grad or tokens > TUNED["few_tokens"].value:
+        return False
+    index_bytes = 2 if shape[1] <= 65536 else 4  # the one-token kernel's column indices
+    sparse_bytes = nnz * (element_size + index_bytes)
+    return sparse_bytes > TUNED["decode_bytes_ratio"].value * shape[0] * shape[1] * element_size
+
+
+def margin(requires_grad: bool) -> float:
+    """The share of dense's time a sparse path must save to be chosen."""
+    return TUNED["margin_training" if requires_grad else "margin"].value
+
+
+def close_call(best: dict[str, float]) -> bool:
+    """Whether a sparse path's best time is within ``TUNED["close_call"]`` of dense's either
+    way (then it is measured longer before the choice)."""
+    if "dense" not in best:
+        return False
+    dense = best["dense"]
+    share = TUNED["close_call"].value
+    return any(
+        abs(seconds - dense) <= share * dense for name, seconds in best.items() if name != "dense"
+    )
+
+
+def choose_path(best: dict[str, float], margin: float = TUNED["margin"].value) -> str:
+    """The path "auto" picks from each candidate's best measured seconds: the fastest, except
+    that "dense" (when measured) stays unless a sparse path beats it by more than ``margin``
+    of its time."""
+    fastest = min(best, key=lambda p: best[p])
+    if "dense" in best and fastest != "dense" and best[fastest] >= (1.0 - margin) * best["dense"]:
+        return "dense"
+    return fastest

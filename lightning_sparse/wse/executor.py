@@ -48,7 +48,7 @@ import os
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,10 +59,12 @@ from torch import Tensor, nn
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.state_dict import restore_masks
+from lightning_sparse.wse import compact as compact_state
 from lightning_sparse.wse.autotune import resolve_path
+from lightning_sparse.wse.compact import CompactLayers, CompactState
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.kernels import sparse_linear
-from lightning_sparse.wse.ops import inference_runner
+from lightning_sparse.wse.ops import inference_runner, run_compact_path
 from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
@@ -80,11 +82,27 @@ _WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class WSELinear(nn.Linear):
-    """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly."""
+    """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly.
+
+    In compact training (`compact.py`) its ``weight`` holds no values between steps; its state
+    dict still holds the dense weight, and loading one turns the layer dense first.
+    """
 
     def forward(self, input: Tensor) -> Tensor:
         y = _execute(self, input)
         return F.linear(input, self.weight, self.bias) if y is None else y
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = _STATE.get(self)
+        if state is not None and state.compact is not None:
+            destination[prefix + "weight"] = state.compact.dense_weight()
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        state = _STATE.get(self)
+        if state is not None and state.compact is not None:
+            state.decompact()
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
@@ -142,6 +160,10 @@ class WSEExecutor:
             bytes for memory-bound decode, values rounded to bf16, products summed in fp32;
             training never changes). None follows ``LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE``
             (default "float32").
+        optimizers: the optimizers training the model, read when a layer goes compact; None
+            (default) trains every layer in dense form. With them, a masked `nn.Linear` whose
+            live algorithm keeps its pruned entries at 0 and whose weight one elementwise
+            optimizer steps trains its kept values only (`compact.py`).
     """
 
     def __init__(
@@ -150,6 +172,7 @@ class WSEExecutor:
         stats: WSEStats,
         path: str | None,
         inference_dtype: str | None = None,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
     ) -> None:
         if path is not None and path != "auto" and path not in PATHS:
             raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
@@ -168,15 +191,43 @@ class WSEExecutor:
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Masked Conv2d modules running dense: their stats hooks, by module.
         self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+        self.compact = None if optimizers is None else CompactLayers(optimizers, self.settle)
 
     @property
     def layers(self) -> list[nn.Module]:
         """The `WSELinear` and Conv1D modules this executor runs."""
         return [m for m in self._layers if _owner(m) is self]
 
+    def settle(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Layers that trained dense through a mask update go compact again (after an optimizer
+        step: nothing of the weight's size is held between steps)."""
+        if self.compact is None:
+            return
+        for module in self.layers:
+            state = _STATE[module]
+            mask = module._buffers.get(_MASK)
+            if state.compact is None and mask is not None:
+                state.try_compact(module, mask)
+
+    def dense_grads(self) -> dict[str, Tensor]:
+        """``{name: dense gradient}`` of every compact layer's weight that has a gradient, as
+        the cpu path holds it (``[out, in]``, zeros at pruned positions; a new tensor); names
+        as ``root.named_parameters()`` gives them. For inspecting a compact run."""
+        root = self._root()
+        out: dict[str, Tensor] = {}
+        for name, module in [] if root is None else root.named_modules():
+            state = _STATE.get(module)
+            compact = None if state is None else state.compact
+            if compact is not None and compact.values.grad is not None:
+                key = f"{name}.weight" if name else "weight"
+                out[key] = compact.csr.to_dense(compact.values.grad)
+        return out
+
     def remove(self) -> None:
-        """Give every layer back its `nn.Linear` / ``Conv1D`` class and drop the cached CSR
-        structures."""
+        """Give every layer back its `nn.Linear` / ``Conv1D`` class (compact layers dense
+        again) and drop the cached CSR structures."""
+        if self.compact is not None:
+            self.compact.remove()
         for module in list(self._layers):
             if _owner(module) is self:
                 del _STATE[module]
@@ -258,6 +309,9 @@ class _LayerState:
         self.values_key: tuple[CSRWeight, int, Tensor | None] | None = None
         self.runners: dict[int, Callable[[Tensor], Tensor]] = {}
         self.fast: _FastInference | None = None
+        # Compact training (`compact.py`): the layer's compact form, and its path per tokens.
+        self.compact: CompactState | None = None
+        self.compact_paths: dict[int, str] = {}
 
     def out_in(self, t: Tensor) -> Tensor:
         """``t`` (weight or mask) as ``[out, in]``: a transposed view for a Conv1D."""
@@ -265,8 +319,10 @@ class _LayerState:
 
     def run(self, module: nn.Module, x: Tensor) -> Tensor:
         """The layer's output ``[..., out]`` for an input ``x [..., in]``."""
-        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
         mask = module._buffers.get(_MASK)  # the buffer itself, the cache key
+        if self.compact is not None and not self._compact_current(module, mask):
+            self.decompact()  # mask or weight changed under the compact form
+        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
         if mask is None:
             if self.csr is not None:  # densified: forget the structure
                 self.csr, self.mask = None, None
@@ -288,10 +344,17 @@ class _LayerState:
                 "float64 without autocast, so this layer runs dense (same numbers as masked "
                 "dense training).",
             )
-            return F.linear(x, weight, bias)
+            self.decompact()
+            return F.linear(x, self.out_in(module.weight), bias)
         inference = not torch.is_grad_enabled() or not (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
+        if self.compact is not None and not inference and self._update_due():
+            self.decompact()  # the mask update reads the dense weight: this step runs dense
+        elif self.compact is None and not inference:
+            self.try_compact(module, mask)
+        if self.compact is not None:
+            return self._run_compact(x, module, inference)
         csr = self.structure(module, mask, transpose=not inference)
         if inference:
             y = self._infer(x, module, csr)
@@ -326,6 +389,98 @@ class _LayerState:
             y = sparse_linear(x, weight, csr, bias, path=path)
         self._record(x, y, weight, csr.nnz, dense_grad)
         return y
+
+    # ------------------------------------------------------------------ compact training
+    def try_compact(self, module: nn.Module, mask: Tensor) -> None:
+        """Go compact if the layer qualifies: the executor has optimizers, the weight (an
+        `nn.Linear`'s, float32/float64 on the CPU) is stepped by one elementwise optimizer, a
+        live algorithm keeps its pruned entries at 0 (`zeros_kept`) and no mask update is due
+        before the coming step."""
+        registry = self.executor.compact
+        weight = module._parameters.get("weight")
+        if registry is None or self.in_out or weight is None or not weight.requires_grad:
+            return
+        if weight.dtype not in _CSR_DTYPES or weight.device.type != "cpu":
+            return
+        csr = self.structure(module, mask, transpose=True, permutation=True)  # finds owners
+        if not self.zeros_kept(module, mask) or self._update_due():
+            return
+        slot = compact_state.find_slot(registry.optimizers(), weight)
+        if slot is None or not compact_state.qualifies(slot[0]):
+            return
+        self.compact = compact_state.to_compact(weight, csr, slot)
+        registry.add(self, slot[0])
+
+    def decompact(self) -> None:
+        """Back to the dense form (no-op when dense)."""
+        compact = self.compact
+        if compact is None:
+            return
+        compact_state.to_dense(compact)
+        self.compact = None
+        if self.executor.compact is not None:
+            self.executor.compact.discard(compact)
+        self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+
+    def _compact_current(self, module: nn.Module, mask: Tensor | None) -> bool:
+        """Whether the compact form still matches the module's weight and mask."""
+        compact = self.compact
+        assert compact is not None
+        if mask is None or module._parameters.get("weight") is not compact.weight:
+            return False
+        return self.structure(module, mask, transpose=True, permutation=True) is compact.csr
+
+    def _update_due(self) -> bool:
+        return any(compact_state.update_due(ref()) for ref in self.owners)
+
+    def _run_compact(self, x: Tensor, module: nn.Module, inference: bool) -> Tensor:
+        """The forward of a compact layer: from its values, in training or inference."""
+        compact, bias = self.compact, module.bias
+        assert compact is not None
+        csr = compact.csr
+        tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
+        if inference:
+            y = self._infer_compact(x, compact, bias, tokens)
+            self._record(x, y, compact.weight, csr.nnz, dense_grad=False)
+            return y
+        if self.values is not None:  # training: free the inference cache
+            self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+        chosen = self.compact_paths.get(tokens)
+        if chosen is None:
+            path = self.executor.path
+            chosen = resolve_path(x, compact.values, csr, path, requires_grad=True, compact=True)
+            self.compact_paths[tokens] = chosen
+        y = run_compact_path(chosen, x, compact.values, csr, bias)
+        nnz = compact.weight.numel() if chosen == "dense" else csr.nnz
+        self._record(x, y, compact.weight, nnz, dense_grad=False)
+        return y
+
+    def _infer_compact(
+        self, x: Tensor, compact: CompactState, bias: Tensor | None, tokens: int
+    ) -> Tensor:
+        """Inference from the compact values (validation during a fit), cached per values
+        version as `_infer` caches per weight version."""
+        csr, values = compact.csr, compact.values
+        if x.dim() == 0 or x.shape[-1] != csr.shape[1]:
+            raise ValueError(f"x must be [..., {csr.shape[1]}], got shape {tuple(x.shape)}")
+        key = self.values_key
+        if (
+            key is None
+            or key[0] is not csr
+            or key[1] != values._version
+            or key[2] is not bias
+            or self.fast is not None
+        ):
+            self.values = self._stored(values.detach())
+            self.values_key = (csr, values._version, bias)
+            self.runners, self.fast = {}, None
+        runner = self.runners.get(tokens)
+        if runner is None:
+            path = resolve_path(x, values, csr, self.executor.path, requires_grad=False)
+            assert self.values is not None
+            runner = inference_runner(path, self.values, csr, None, None, bias)
+            self.runners[tokens] = runner
+        return runner(x)
 
     def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:
         """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
@@ -385,10 +540,12 @@ class _LayerState:
             return values.to(torch.bfloat16)
         return values
 
-    def structure(self, module: nn.Module, mask: Tensor, transpose: bool = True) -> CSRWeight:
+    def structure(
+        self, module: nn.Module, mask: Tensor, transpose: bool = True, permutation: bool = False
+    ) -> CSRWeight:
         """The `CSRWeight` (``[out, in]``) of ``mask`` (the module's buffer), rebuilt only when
-        the mask may have changed (or when training needs the transposed structure a
-        forward-only one lacks)."""
+        the mask may have changed (or when training needs the transposed structure, or a compact
+        layer the permutation, that the cached one lacks)."""
         csr = self.csr
         # A structure built under inference_mode holds inference tensors, which autograd may not
         # save for backward: rebuild it for training. Inference builds forward-only structures.
@@ -396,13 +553,16 @@ class _LayerState:
             csr is not None
             and (not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled())
             and (csr.has_transpose or not transpose)
+            and (csr.t_perm is not None or not permutation)
         )
         version = _version_of(mask)
         if usable and mask is self.mask and version == self.version and version >= 0:
             return csr
         start = time.perf_counter()
         weight = self.out_in(module.weight.detach())
-        built = CSRWeight.from_dense(weight, self.out_in(mask), transpose=transpose)
+        built = CSRWeight.from_dense(
+            weight, self.out_in(mask), transpose=transpose or permutation, permutation=permutation
+        )
         seconds = time.perf_counter() - start
         if usable and built.same_structure(csr):
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
@@ -413,7 +573,7 @@ class _LayerState:
         csr = built
         self.csr, self.mask, self.version = csr, mask, version
         self._find_owners(module)
-        self.train_paths = {}
+        self.train_paths, self.compact_paths = {}, {}
         out_features, in_features = csr.shape
         memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
         self.executor.stats.add_rebuild(self.name, seconds, memory)
@@ -571,6 +731,7 @@ def install_executor(
     stats: WSEStats | None = None,
     path: str | None = None,
     inference_dtype: str | None = None,
+    optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
 ) -> WSEExecutor:
     """Run ``model``'s masked `nn.Linear` and HF ``Conv1D`` layers in CSR from now on (see the
     module docstring).
@@ -583,6 +744,8 @@ def install_executor(
         path: `sparse_linear` path, see `WSEExecutor`.
         inference_dtype: "float32" or "bfloat16" storage of kept values in inference, see
             `WSEExecutor`.
+        optimizers: the training optimizers, for compact training (see `WSEExecutor`); None
+            trains every layer in dense form.
 
     Returns:
         The executor; ``executor.remove()`` undoes the installation.
@@ -590,7 +753,9 @@ def install_executor(
     Raises:
         ValueError: on an unknown ``path`` or ``inference_dtype``.
     """
-    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path, inference_dtype)
+    executor = WSEExecutor(
+        model, stats if stats is not None else WSEStats(), path, inference_dtype, optimizers
+    )
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear

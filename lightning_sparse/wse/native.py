@@ -36,6 +36,7 @@ __all__ = [
     "gather",
     "library",
     "one_token_layout",
+    "scatter",
     "sddmm",
     "spmm",
     "unavailable_reason",
@@ -75,10 +76,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         spmm_ = getattr(lib, f"ls_spmm_{suffix}")
         spmm_.argtypes = [pointer] * 5 + [size] * 3 + [pointer, integer]
         spmm_.restype = None
-        sddmm_ = getattr(lib, f"ls_sddmm_{suffix}")
-        sddmm_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
-        sddmm_.restype = integer
-        for name in ("ls_gather", "ls_gather_t"):
+        for name in ("ls_sddmm", "ls_sddmm_values"):
+            sddmm_ = getattr(lib, f"{name}_{suffix}")
+            sddmm_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
+            sddmm_.restype = integer
+        for name in ("ls_gather", "ls_gather_t", "ls_scatter"):
             function = getattr(lib, f"{name}_{suffix}")
             function.argtypes = [pointer] * 3 + [size] * 2 + [pointer, integer]
             function.restype = None
@@ -195,6 +197,15 @@ def gather(
     )  # fmt: skip
 
 
+def scatter(crow: Tensor, col: Tensor, values: Tensor, out: Tensor) -> None:
+    """``out [M, K]`` = the kept ``values [nnz]`` (CSR order) at their positions, zero elsewhere."""
+    rows, cols = out.shape
+    function("ls_scatter", values.dtype)(
+        crow.data_ptr(), col.data_ptr(), values.data_ptr(), rows, cols, out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+
+
 def spmm(
     crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
 ) -> None:
@@ -207,8 +218,10 @@ def spmm(
 
 
 def sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
-    """``out [M, K] = (grad_y2^T @ x2)`` at the kept positions of (crow, col), zero elsewhere."""
-    status = function("ls_sddmm", x2.dtype)(
+    """``(grad_y2 [N, M]^T @ x2 [N, K])`` at the kept positions of (crow, col): ``out`` is dense
+    ``[M, K]`` (zero elsewhere), or the kept values ``[nnz]`` in CSR order."""
+    name = "ls_sddmm" if out.dim() == 2 else "ls_sddmm_values"
+    status = function(name, x2.dtype)(
         crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
         x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip

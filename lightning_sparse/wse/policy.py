@@ -111,19 +111,20 @@ def autotune_key(
     nnz: int,
     tokens: int,
     requires_grad: bool,
-    zeros_kept: bool,
+    mode: str,
 ) -> tuple:
     """The key one "auto" choice is cached under: quarter-octave density buckets and power-of-two
     token buckets, so a GMP schedule or a short last batch reuses a choice instead of
-    re-measuring. ``zeros_kept`` (dense is plain ``F.linear`` under an algorithm) counts for
-    training calls only."""
+    re-measuring. ``mode`` counts for training calls only: "masked" (`sparse_linear`: dense
+    masks weight and gradient), "kept" (dense is plain ``F.linear`` under an algorithm),
+    "compact" (the layer holds its kept values: dense builds the weight per call)."""
     numel = shape[0] * shape[1]
     density = max(nnz / numel if numel else 1.0, 1e-9)
     density_bucket = round(4 * math.log2(density))
     token_bucket = 1 << max(tokens - 1, 0).bit_length()
     return (
         device_type, dtype, shape, density_bucket, token_bucket, requires_grad,
-        zeros_kept and requires_grad,
+        mode if requires_grad else "masked",
     )  # fmt: skip
 
 

@@ -344,9 +344,11 @@ void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* x
   }
 }
 
+// D is dense [M, K] (zero at pruned positions) when `dense`, else the kept values [nnz] in CSR
+// order (what a compact layer's value gradient is).
 template <typename S>
 int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
-          int64_t M, S* D, int threads) {
+          int64_t M, S* D, bool dense, int threads) {
   const int cap = max_vectors<S>(K);
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t nnz = crow[M];
@@ -406,11 +408,15 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       S* row = D + i * K;
-      std::memset(row, 0, sizeof(S) * K);
+      if (dense) std::memset(row, 0, sizeof(S) * K);
       for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
         S sum = partial[k];
         for (int t = 1; t < team; ++t) sum += partial[nnz * t + k];
-        row[col[k]] = sum;
+        if (dense) {
+          row[col[k]] = sum;
+        } else {
+          D[k] = sum;
+        }
       }
     }
   }
@@ -618,6 +624,19 @@ void spmv(const int32_t* crow, const I* col, const V* val, const float* x, const
 
 }  // namespace
 
+// --- Dense W [M, K] from kept values in CSR order: zeros elsewhere (a compact layer's weight) ---
+template <typename S>
+void scatter(const int32_t* crow, const int32_t* col, const S* vals, int64_t M, int64_t K, S* W,
+             int threads) {
+  const int team = threads_for(M * K, 1, 0, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t i = 0; i < M; ++i) {
+    S* w = W + i * K;
+    std::memset(w, 0, sizeof(S) * K);
+    for (int32_t k = crow[i]; k < crow[i + 1]; ++k) w[col[k]] = vals[k];
+  }
+}
+
 // --- Kept values of a dense W [M, K] in CSR order (rows) or in transposed-CSR order (columns) ---
 template <typename S>
 void gather(const int32_t* crow, const int32_t* col, const S* W, int64_t M, int64_t K, S* out,
@@ -671,11 +690,27 @@ void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, con
 }
 int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
                  int64_t N, int64_t K, int64_t M, float* D, int threads) {
-  return sddmm<float>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<float>(crow, col, G, X, N, K, M, D, true, threads);
 }
 int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
                  int64_t N, int64_t K, int64_t M, double* D, int threads) {
-  return sddmm<double>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<double>(crow, col, G, X, N, K, M, D, true, threads);
+}
+int ls_sddmm_values_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
+                        int64_t N, int64_t K, int64_t M, float* vals, int threads) {
+  return sddmm<float>(crow, col, G, X, N, K, M, vals, false, threads);
+}
+int ls_sddmm_values_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
+                        int64_t N, int64_t K, int64_t M, double* vals, int threads) {
+  return sddmm<double>(crow, col, G, X, N, K, M, vals, false, threads);
+}
+void ls_scatter_f32(const int32_t* crow, const int32_t* col, const float* vals, int64_t M,
+                    int64_t K, float* W, int threads) {
+  scatter<float>(crow, col, vals, M, K, W, threads);
+}
+void ls_scatter_f64(const int32_t* crow, const int32_t* col, const double* vals, int64_t M,
+                    int64_t K, double* W, int threads) {
+  scatter<double>(crow, col, vals, M, K, W, threads);
 }
 void ls_spmv_f32_u16(const int32_t* crow, const uint16_t* col, const float* val, const float* x,
                      const float* bias, int64_t M, float* y, int threads) {

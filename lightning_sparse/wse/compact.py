@@ -1,0 +1,304 @@
+"""Compact training state: a masked layer's kept values are the parameter its optimizer steps.
+
+On the device a masked `nn.Linear` owned by a live sparsity algorithm trains in one of two forms:
+
+- **compact** (every ordinary step): the kept values ``[nnz]`` (CSR order of the mask) are an
+  `nn.Parameter` that takes the weight's place in its optimizer's param group; the value
+  gradient and the optimizer state (Adam's moments, SGD's momentum, ...) are ``[nnz]`` too. The
+  layer's ``weight`` parameter stays registered (same object, so the algorithm's references,
+  hooks and the state-dict keys stay) but holds no values: a one-element NaN storage expanded
+  to ``[out, in]``, so a stray read shows NaN and a stray write is an error. Nothing of the
+  weight's size is held.
+- **dense** (the steps whose mask update reads the dense weight and gradient: RigL, GraNet,
+  SET, GMP update steps; and whenever compact training does not apply): exactly the masked
+  dense state of ``accelerator="cpu"``, so the algorithm updates masks, prunes weights,
+  gradients and moments as the cpu path does (kept weights keep their moments, grown ones start
+  at zero with zero moments). The step after it goes compact again.
+
+`to_compact` gathers weight, gradient and every weight-shaped optimizer state tensor at the kept
+positions and swaps the parameter in the optimizer; `to_dense` scatters them back. Both are all
+or nothing: every new tensor is built before anything is swapped. Pruned positions hold exact
+zeros in the dense form (the per-step path keeps them so), so a round trip loses nothing.
+
+Checkpoints keep the cpu format: `state_dict_hook` writes the dense weight into a model state
+dict, `optimizer_state_dict_hook` the dense moments into an optimizer state dict; loading either
+turns the layers dense first (the loaded tensors then land in the ordinary places).
+
+Only optimizers whose update is elementwise per parameter qualify (`ELEMENTWISE`): for them
+stepping the kept values equals stepping the masked dense weight. Others (Adafactor's factored
+moments, LBFGS, Muon) keep the layer dense.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_sparse.wse.csr import CSRWeight
+
+__all__ = [
+    "ELEMENTWISE",
+    "CompactLayers",
+    "CompactState",
+    "find_slot",
+    "qualifies",
+    "to_compact",
+    "to_dense",
+    "update_due",
+]
+
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adagrad", "Adadelta", "ASGD", "RMSprop",
+        "Adamax", "Rprop",
+    )
+    if hasattr(torch.optim, name)
+)  # fmt: skip
+"""Optimizer types (exact) whose step is elementwise per parameter tensor."""
+
+
+def qualifies(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can step a layer's kept values in place of its weight."""
+    return type(optimizer) in ELEMENTWISE
+
+
+class CompactState:
+    """One layer in compact form.
+
+    Attributes:
+        weight: the layer's weight parameter (the dense handle; holds no values meanwhile).
+        values: the kept values ``[nnz]``, the parameter the optimizer steps.
+        csr: the structure the values follow (with ``t_perm``).
+        optimizer: the optimizer holding ``values`` (weakly).
+    """
+
+    __slots__ = ("csr", "optimizer", "values", "weight")
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        values: nn.Parameter,
+        csr: CSRWeight,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        self.weight, self.values, self.csr = weight, values, csr
+        self.optimizer: weakref.ref[torch.optim.Optimizer] = weakref.ref(optimizer)
+
+    def dense_weight(self) -> Tensor:
+        """The dense ``[out, in]`` weight (a new tensor; zeros at pruned positions)."""
+        return self.csr.to_dense(self.values.detach())
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``values``, ``grad``, ``state`` (optimizer) and ``indices``."""
+        optimizer = self.optimizer()
+        state = optimizer.state.get(self.values, {}) if optimizer is not None else {}
+        grad = self.values.grad
+        return {
+            "values": self.values.nbytes,
+            "grad": 0 if grad is None else grad.nbytes,
+            "state": sum(v.nbytes for v in state.values() if torch.is_tensor(v)),
+            "indices": self.csr.nbytes,
+        }
+
+
+def find_slot(
+    optimizers: Iterable[torch.optim.Optimizer], param: Tensor
+) -> tuple[torch.optim.Optimizer, dict[str, Any], int] | None:
+    """(optimizer, param group, index in its ``params``) of ``param``: the only place it is
+    stepped, or None if no optimizer (or more than one place) holds it."""
+    found = [
+        (optimizer, group, i)
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for i, p in enumerate(group["params"])
+        if p is param
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _placeholder(weight: Tensor) -> Tensor:
+    """One NaN element expanded to ``weight``'s shape: no storage of the weight's size."""
+    return torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(
+        weight.shape
+    )
+
+
+def is_placeholder(weight: Tensor) -> bool:
+    """Whether ``weight`` currently holds no values (a compact layer's dense handle)."""
+    return weight.dim() > 0 and weight.numel() > 1 and all(s == 0 for s in weight.stride())
+
+
+def to_compact(
+    weight: nn.Parameter,
+    csr: CSRWeight,
+    slot: tuple[torch.optim.Optimizer, dict[str, Any], int],
+) -> CompactState:
+    """Move ``weight`` (dense, pruned) into compact form under ``csr`` (built with
+    ``permutation=True``): its kept values, gradient and weight-shaped optimizer state are
+    gathered, the values take its place in the optimizer, and the weight is emptied.
+
+    Positions ``csr`` drops (a mask that changed since the weight was pruned) are dropped with
+    their gradient and moments, as the cpu path's pruning zeroes them.
+    """
+    optimizer, group, index = slot
+    with torch.no_grad():
+        values = nn.Parameter(csr.gather_values(weight.detach()), requires_grad=True)
+        grad = None if weight.grad is None else csr.gather_values(weight.grad)
+        old = optimizer.state.get(weight)
+        state = None if old is None else _moved(old, weight.shape, csr.gather_values)
+    # Commit: nothing below allocates a tensor of the weight's size or can fail halfway.
+    values.grad = grad
+    group["params"][index] = values
+    if old is not None:
+        del optimizer.state[weight]
+        optimizer.state[values] = state
+    weight.grad = None
+    weight.data = _placeholder(weight)
+    return CompactState(weight, values, csr, optimizer)
+
+
+def to_dense(compact: CompactState) -> None:
+    """Undo `to_compact`: the weight, its gradient and its optimizer state become dense again
+    (zeros at pruned positions) and the weight takes the values' place in the optimizer."""
+    weight, values, csr = compact.weight, compact.values, compact.csr
+    optimizer = compact.optimizer()
+    with torch.no_grad():
+        dense = csr.to_dense(values.detach())
+        grad = None if values.grad is None else csr.to_dense(values.grad)
+        old = None if optimizer is None else optimizer.state.get(values)
+        state = None if old is None else _moved(old, values.shape, csr.to_dense)
+    weight.data = dense
+    weight.grad = grad
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if p is values:
+                group["params"][i] = weight
+    if old is not None:
+        del optimizer.state[values]
+        optimizer.state[weight] = state
+
+
+def _moved(state: dict[str, Any], shape: torch.Size, move: Any) -> dict[str, Any]:
+    """``state`` with every tensor of ``shape`` passed through ``move``; the rest (``step``,
+    scalars) as they are."""
+    return {
+        k: move(v) if torch.is_tensor(v) and v.shape == shape else v for k, v in state.items()
+    }
+
+
+def update_due(algorithm: Any) -> bool:
+    """Whether ``algorithm`` will (or may) change its masks before the coming optimizer step:
+    the condition of `SparsityAlgorithm.update`, or any step when the user drives updates
+    (``autoupdate`` off). A layer trains dense through such a step."""
+    if algorithm is None or not algorithm.sparse_params:
+        return False
+    if not algorithm.autoupdate:
+        return True
+    return algorithm.last_update_step != algorithm.step and algorithm.is_update_step()
+
+
+class Layer(Protocol):
+    """What `CompactLayers` needs of a device layer (the executor's per-layer state)."""
+
+    compact: CompactState | None
+
+    def decompact(self) -> None: ...
+
+
+class CompactLayers:
+    """The compact layers of one executor and the hooks on their optimizers.
+
+    Per optimizer holding compact values (registered at its first compaction): its
+    ``state_dict()`` returns the dense moments (the cpu format), ``load_state_dict`` turns its
+    layers dense first, and after each ``step()`` ``settle(optimizer)`` runs (layers that
+    trained dense through a mask update go compact again at once).
+
+    Args:
+        optimizers: the optimizers a layer's weight may be found in (read when compacting).
+        settle: called after each step of a hooked optimizer.
+    """
+
+    def __init__(
+        self,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]],
+        settle: Callable[[torch.optim.Optimizer], None],
+    ) -> None:
+        self.optimizers = optimizers
+        self._settle = settle
+        self.layers: dict[int, Layer] = {}  # id(values) -> layer, while compact
+        self._hooks: dict[int, list[RemovableHandle]] = {}
+
+    def add(self, layer: Layer, optimizer: torch.optim.Optimizer) -> None:
+        """``layer`` went compact in ``optimizer``."""
+        assert layer.compact is not None
+        self.layers[id(layer.compact.values)] = layer
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = [
+                optimizer.register_state_dict_post_hook(self._dense_state_dict),
+                optimizer.register_load_state_dict_pre_hook(self._before_load),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
+
+    def discard(self, compact: CompactState) -> None:
+        """A layer went dense."""
+        self.layers.pop(id(compact.values), None)
+
+    def of(self, optimizer: torch.optim.Optimizer) -> list[Layer]:
+        """The compact layers stepped by ``optimizer``."""
+        return [
+            layer
+            for layer in self.layers.values()
+            if layer.compact is not None and layer.compact.optimizer() is optimizer
+        ]
+
+    def memory(self) -> dict[str, int]:
+        """Bytes the compact layers hold now, by kind (`CompactState.nbytes`)."""
+        total = {"values": 0, "grad": 0, "state": 0, "indices": 0}
+        for layer in self.layers.values():
+            if layer.compact is not None:
+                for key, value in layer.compact.nbytes().items():
+                    total[key] += value
+        return total
+
+    def remove(self) -> None:
+        """Every layer dense, every optimizer hook removed."""
+        for layer in list(self.layers.values()):
+            layer.decompact()
+        self.layers = {}
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._hooks = {}
+
+    def _dense_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Optimizer state-dict post-hook: each compact layer's state as the cpu path holds it
+        (weight-shaped, zeros at pruned positions), so checkpoints keep the cpu format."""
+        state = state_dict["state"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            layer = self.layers.get(id(param))
+            if layer is None or layer.compact is None or index not in state:
+                continue
+            compact = layer.compact
+            state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
+        return state_dict
+
+    def _before_load(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> None:
+        """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu."""
+        for layer in self.of(optimizer):
+            layer.decompact()
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._settle(optimizer)

@@ -189,9 +189,7 @@ def to_dense(compact: CompactState) -> None:
 def _moved(state: dict[str, Any], shape: torch.Size, move: Any) -> dict[str, Any]:
     """``state`` with every tensor of ``shape`` passed through ``move``; the rest (``step``,
     scalars) as they are."""
-    return {
-        k: move(v) if torch.is_tensor(v) and v.shape == shape else v for k, v in state.items()
-    }
+    return {k: move(v) if torch.is_tensor(v) and v.shape == shape else v for k, v in state.items()}
 
 
 def update_due(algorithm: Any) -> bool:
@@ -293,9 +291,7 @@ class CompactLayers:
             state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
         return state_dict
 
-    def _before_load(
-        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
-    ) -> None:
+    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu."""
         for layer in self.of(optimizer):
             layer.decompact()

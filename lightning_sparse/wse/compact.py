@@ -47,6 +47,7 @@ __all__ = [
     "CompactState",
     "find_slot",
     "qualifies",
+    "release",
     "to_compact",
     "to_dense",
     "update_due",
@@ -186,6 +187,16 @@ def to_dense(compact: CompactState) -> None:
         optimizer.state[weight] = state
 
 
+def release(compact: CompactState) -> None:
+    """End of training (the executor's removal): the weight holds its dense values again, so the
+    model is an ordinary model, and its gradient is dropped. The optimizer keeps the kept values
+    and their state, so no dense optimizer state is allocated at the end of a fit; its
+    ``state_dict()`` still gives the cpu format (`CompactLayers`)."""
+    with torch.no_grad():
+        compact.weight.data = compact.csr.to_dense(compact.values.detach())
+    compact.weight.grad = None
+
+
 def _moved(state: dict[str, Any], shape: torch.Size, move: Any) -> dict[str, Any]:
     """``state`` with every tensor of ``shape`` passed through ``move``; the rest (``step``,
     scalars) as they are."""
@@ -232,6 +243,9 @@ class CompactLayers:
         self.optimizers = optimizers
         self._settle = settle
         self.layers: dict[int, Layer] = {}  # id(values) -> layer, while compact
+        # id(values) -> compact form released at the end of training (`release`): the
+        # optimizer still steps the values.
+        self.released: dict[int, CompactState] = {}
         self._hooks: dict[int, list[RemovableHandle]] = {}
 
     def add(self, layer: Layer, optimizer: torch.optim.Optimizer) -> None:
@@ -266,15 +280,16 @@ class CompactLayers:
                     total[key] += value
         return total
 
-    def remove(self) -> None:
-        """Every layer dense, every optimizer hook removed."""
-        for layer in list(self.layers.values()):
-            layer.decompact()
+    def release(self) -> None:
+        """End of training: every compact layer's weight dense again (`release`); the optimizers
+        keep the values, their hooks stay for ``state_dict`` / ``load_state_dict``."""
+        for key, layer in list(self.layers.items()):
+            compact = layer.compact
+            if compact is not None:
+                release(compact)
+                self.released[key] = compact
+                layer.compact = None
         self.layers = {}
-        for handles in self._hooks.values():
-            for handle in handles:
-                handle.remove()
-        self._hooks = {}
 
     def _dense_state_dict(
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
@@ -284,17 +299,30 @@ class CompactLayers:
         state = state_dict["state"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, param in enumerate(params):
-            layer = self.layers.get(id(param))
-            if layer is None or layer.compact is None or index not in state:
-                continue
-            compact = layer.compact
-            state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
+            compact = self._compact_of(param)
+            if compact is not None and index in state:
+                state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
         return state_dict
 
+    def _compact_of(self, param: Tensor) -> CompactState | None:
+        layer = self.layers.get(id(param))
+        compact = layer.compact if layer is not None else self.released.get(id(param))
+        return compact if compact is not None and compact.values is param else None
+
     def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-        """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu."""
+        """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu;
+        a released layer's weight takes its values' place again (its state is replaced by the
+        loaded one)."""
         for layer in self.of(optimizer):
             layer.decompact()
+        for key, compact in list(self.released.items()):
+            if compact.optimizer() is not optimizer:
+                continue
+            for group in optimizer.param_groups:
+                group["params"] = [compact.weight if p is compact.values else p
+                                   for p in group["params"]]  # fmt: skip
+            optimizer.state.pop(compact.values, None)
+            del self.released[key]
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._settle(optimizer)

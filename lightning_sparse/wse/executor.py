@@ -224,10 +224,10 @@ class WSEExecutor:
         return out
 
     def remove(self) -> None:
-        """Give every layer back its `nn.Linear` / ``Conv1D`` class (compact layers dense
-        again) and drop the cached CSR structures."""
+        """Give every layer back its `nn.Linear` / ``Conv1D`` class (compact layers' weights
+        dense again, `compact.release`) and drop the cached CSR structures."""
         if self.compact is not None:
-            self.compact.remove()
+            self.compact.release()
         for module in list(self._layers):
             if _owner(module) is self:
                 del _STATE[module]

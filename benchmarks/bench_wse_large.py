@@ -272,7 +272,9 @@ def speed(args: argparse.Namespace) -> None:
         ratio = med[f"cpu {s:.2f}"] / med[f"wse {s:.2f}"]
         ratio_min = low[f"cpu {s:.2f}"] / low[f"wse {s:.2f}"]
         goal = GOALS["busy"] if args.busy else GOALS.get(s)
-        verdict = "" if goal is None else f" (goal >= {goal}x: {'PASS' if ratio >= goal else 'FAIL'})"
+        verdict = (
+            "" if goal is None else f" (goal >= {goal}x: {'PASS' if ratio >= goal else 'FAIL'})"
+        )
         print(f"wse / cpu at {s:.0%}: {ratio:.2f}x median, {ratio_min:.2f}x min{verdict}")
     print(f"load average after the run: {load_average()}")
 

@@ -226,11 +226,13 @@ def _total(held: dict[str, int]) -> int:
 
 
 class Run(SteppedFit):
-    def __init__(self, variant: str, sparsity: float | None, kind: str, cfg: dict, batches: list):
+    def __init__(
+        self, variant: str, sparsity: float | None, kind: str, cfg: dict, batches: list, clock: Any
+    ) -> None:
         torch.manual_seed(0)
         module = LitCausalLM(**cfg, lr=1e-3, warmup_steps=0)
         callbacks = [] if sparsity is None else [algorithm(kind, sparsity)]
-        super().__init__(module, callbacks, batches, accelerator=accelerator(variant))
+        super().__init__(module, callbacks, batches, clock, accelerator=accelerator(variant))
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -248,14 +250,17 @@ def speed(args: argparse.Namespace) -> None:
     print(
         f"model: Llama {cfg}, batch {BATCH} x {cfg['max_seq_len']}, fp32, AdamW (fused); "
         f"{args.kind} on {FILTER}; {args.warmup} warm-up + {args.steps} timed steps, "
-        f"round-robin; {args.threads} threads{'; one busy process on CPU 0' if hog else ''}"
+        f"round-robin; {args.threads} threads, {args.clock} clock"
+        f"{'; one busy process on CPU 0' if hog else ''}"
     )
     runs: dict[str, Run] = {}
     try:
-        runs["cpu dense"] = Run("dense", None, args.kind, cfg, batches)
+        clock = time.thread_time if args.clock == "thread" else time.perf_counter
+        if not args.no_dense:
+            runs["cpu dense"] = Run("dense", None, args.kind, cfg, batches, clock)
         for s in sparsities:
-            runs[f"cpu {s:.2f}"] = Run("cpu", s, args.kind, cfg, batches)
-            runs[f"wse {s:.2f}"] = Run("wse", s, args.kind, cfg, batches)
+            runs[f"cpu {s:.2f}"] = Run("cpu", s, args.kind, cfg, batches, clock)
+            runs[f"wse {s:.2f}"] = Run("wse", s, args.kind, cfg, batches, clock)
         times = run_interleaved(runs, batches, args.warmup, args.steps)
     finally:
         for run in runs.values():
@@ -290,6 +295,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--busy", action="store_true", help="speed: beside one busy process")
+    parser.add_argument(
+        "--clock", choices=("wall", "thread"), default="wall",
+        help="speed: wall clock, or the trainer thread's CPU time (meaningful with --threads 1)",
+    )  # fmt: skip
+    parser.add_argument("--no-dense", action="store_true", help="speed: skip the dense cpu run")
     parser.add_argument("--quick", action="store_true", help="tiny model (smoke run)")
     args = parser.parse_args()
     if args.steps is None:

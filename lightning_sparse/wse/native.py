@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_sparse.wse.policy import TUNED
+
 __all__ = [
     "CACHE_ENV",
     "COMPILE_ENV",
@@ -38,6 +40,7 @@ __all__ = [
     "one_token_layout",
     "scatter",
     "sddmm",
+    "set_tile_budgets",
     "spmm",
     "unavailable_reason",
 ]
@@ -62,12 +65,23 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building the native kernels failed: {error}"
     _declare(lib)
+    set_tile_budgets(
+        int(TUNED["spmm_tile_bytes"].value), int(TUNED["sddmm_tile_bytes"].value), lib
+    )
     return lib, None
+
+
+def set_tile_budgets(spmm: int, sddmm: int, lib: ctypes.CDLL | None = None) -> None:
+    """Bytes of L2 the matmul (SpMM) and SDDMM kernels size their transposed token tiles for
+    (the defaults are `policy.TUNED`'s ``spmm_tile_bytes`` / ``sddmm_tile_bytes``)."""
+    (lib or _loaded()).ls_set_tile_budgets(spmm, sddmm)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of every exported function."""
     pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ls_set_tile_budgets.argtypes = [size, size]
+    lib.ls_set_tile_budgets.restype = None
     lib.ls_csr_count.argtypes = [pointer, size, size, pointer, integer]
     lib.ls_csr_count.restype = size
     lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [integer]

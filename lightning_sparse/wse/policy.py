@@ -79,6 +79,20 @@ TUNED: dict[str, Tuned] = {
         "a sparse path within this share of dense's best time is re-measured before the choice: "
         "5 disturbed rounds had picked compiled at 0.91x for 4096x1024 at 70%",
     ),
+    "spmm_tile_bytes": Tuned(
+        128 << 10,
+        "kernel timing of the 51M model's layers (1024x1024, 2752x1024, 1024x2752 at 90% and 95%, "
+        "512 tokens, 1 thread, interleaved budgets 32K-512K), 2-core AMD EPYC VM, 2026-11-25",
+        "the SpMM kernel's transposed token tile (features x tokens) is sized for this many "
+        "bytes: 42-46 GFLOP/s at 512K, 46-52 at 128K; an L1-blocked variant (32K column "
+        "blocks) was slower (35-45)",
+    ),
+    "sddmm_tile_bytes": Tuned(
+        512 << 10,
+        "the same kernel timing, 2026-11-25",
+        "the SDDMM kernel's input tile: below two vectors of tokens (K=2752 under 512K) its "
+        "four-way dot products drop from 40 to 30 GFLOP/s",
+    ),
     "close_repeats": Tuned(10, "design", "extra interleaved rounds for a close call"),
     "repeats": Tuned(5, "design", "timed rounds per candidate (after one warm-up round)"),
     "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),

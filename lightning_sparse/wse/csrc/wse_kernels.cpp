@@ -113,10 +113,13 @@ struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
 
 constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line of floats)
 constexpr int64_t kColBlock = 32;  // features per transpose work item
-// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
-// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
-// its gradient tile row by row, so only its X tile counts.
-constexpr int64_t kTileBudget = 512 << 10;
+// The randomly accessed transposed tile (K features x T tokens) is sized to stay in a share of L2
+// (more tokens per tile amortize each kept weight's index and value loads over more FMAs; a
+// smaller tile stays closer to the core). SDDMM streams its gradient tile row by row, so only its
+// X tile counts. Set at load time from the Python side's tuned constants (`ls_set_tile_budgets`,
+// `policy.TUNED`); these are the defaults.
+int64_t g_spmm_budget = 128 << 10;
+int64_t g_sddmm_budget = 512 << 10;
 constexpr int64_t kMinTokensPerThread = 32;
 
 // One thread for small problems: a parallel region costs microseconds, and when the cores are
@@ -128,10 +131,10 @@ inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
 
 // Largest vectors-per-tile (1, 2, 4 or 8) whose transposed tile of `features` rows fits the budget.
 template <typename S>
-int max_vectors(int64_t features) {
+int max_vectors(int64_t features, int64_t budget) {
   int nv = 8;
   const int64_t bytes_per_vector = static_cast<int64_t>(sizeof(S)) * features * kLanes<S>;
-  while (nv > 1 && bytes_per_vector * nv > kTileBudget) nv /= 2;
+  while (nv > 1 && bytes_per_vector * nv > budget) nv /= 2;
   return nv;
 }
 
@@ -263,7 +266,7 @@ void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* b
 template <typename S>
 void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
           int64_t N, int64_t K, int64_t M, S* Y, int threads) {
-  const int cap = max_vectors<S>(K);
+  const int cap = max_vectors<S>(K, g_spmm_budget);
   const int64_t T_cap = cap * kLanes<S>;
   threads = threads_for(crow[M], N, K + M, threads);
   if (threads == 1 || N >= threads * kMinTokensPerThread) {
@@ -349,7 +352,7 @@ void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* x
 template <typename S>
 int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
           int64_t M, S* D, bool dense, int threads) {
-  const int cap = max_vectors<S>(K);
+  const int cap = max_vectors<S>(K, g_sddmm_budget);
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t nnz = crow[M];
   threads = threads_for(nnz, N, K + M, threads);
@@ -657,6 +660,10 @@ void gather_t(const int32_t* t_crow, const int32_t* t_col, const S* W, int64_t M
     for (int32_t k = t_crow[j]; k < t_crow[j + 1]; ++k) out[k] = W[int64_t{t_col[k]} * K + j];
 }
 extern "C" {
+void ls_set_tile_budgets(int64_t spmm_bytes, int64_t sddmm_bytes) {
+  g_spmm_budget = spmm_bytes;
+  g_sddmm_budget = sddmm_bytes;
+}
 void ls_gather_f32(const int32_t* crow, const int32_t* col, const float* W, int64_t M, int64_t K,
                    float* out, int threads) {
   gather<float>(crow, col, W, M, K, out, threads);

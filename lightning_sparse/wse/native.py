@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from lightning_sparse.wse.policy import TUNED
+from lightning_sparse.wse.threads import kernel_threads
 
 __all__ = [
     "CACHE_ENV",
@@ -184,7 +185,7 @@ def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, T
     lib = _loaded()
     mask = mask.contiguous()
     rows, cols = mask.shape
-    threads = torch.get_num_threads()
+    threads = kernel_threads()
     crow = torch.empty(rows + 1, dtype=torch.int32)
     nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
     col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
@@ -207,7 +208,7 @@ def gather(
     rows, cols = weight.shape
     function(name, weight.dtype)(
         pointers.data_ptr(), indices.data_ptr(), weight.data_ptr(), rows, cols, out.data_ptr(),
-        torch.get_num_threads(),
+        kernel_threads(),
     )  # fmt: skip
 
 
@@ -216,7 +217,7 @@ def scatter(crow: Tensor, col: Tensor, values: Tensor, out: Tensor) -> None:
     rows, cols = out.shape
     function("ls_scatter", values.dtype)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), rows, cols, out.data_ptr(),
-        torch.get_num_threads(),
+        kernel_threads(),
     )  # fmt: skip
 
 
@@ -227,7 +228,7 @@ def spmm(
     function("ls_spmm", x2.dtype)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
         None if bias is None else bias.data_ptr(),
-        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
+        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip
 
 
@@ -237,7 +238,7 @@ def sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -
     name = "ls_sddmm" if out.dim() == 2 else "ls_sddmm_values"
     status = function(name, x2.dtype)(
         crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
-        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
+        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native SDDMM kernel could not allocate its work buffers")

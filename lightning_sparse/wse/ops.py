@@ -32,6 +32,7 @@ from torch.autograd.function import once_differentiable
 from lightning_sparse.core.masking import zero_pruned_
 from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.threads import kernel_threads
 
 __all__ = ["inference_runner", "run_compact_path", "run_path"]
 
@@ -108,14 +109,14 @@ def inference_runner(
         out = x2.new_empty(tokens, out_features)
         if tokens == 1 and spmv is not None:
             spmv(*one_token[0], x2.data_ptr(), bias_pointer, out_features, out.data_ptr(),
-                 torch.get_num_threads())  # fmt: skip
+                 kernel_threads())  # fmt: skip
         else:
             ptrs = pointers
             if ptrs is None:  # bf16 storage: widen per multi-token call (prefill), not kept
                 wide = stored.float()
                 ptrs = (csr.crow_indices.data_ptr(), csr.col_indices.data_ptr(), wide.data_ptr())
             spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
-                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
+                 out.data_ptr(), kernel_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
     run.keep = keep  # type: ignore[attr-defined]

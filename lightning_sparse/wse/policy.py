@@ -26,6 +26,7 @@ __all__ = [
     "choose_path",
     "close_call",
     "decode_forces_dense",
+    "kernel_threads",
     "margin",
     "token_bucket_of",
     "unsupported_reason",
@@ -93,6 +94,13 @@ TUNED: dict[str, Tuned] = {
         "the SDDMM kernel's input tile: below two vectors of tokens (K=2752 under 512K) its "
         "four-way dot products drop from 40 to 30 GFLOP/s",
     ),
+    "busy_core": Tuned(
+        0.5,
+        "benchmarks/bench_threads.py (2-core Intel Xeon VM, 2026-11-23) for the start-time "
+        "choice; the device applies it per kernel call",
+        "a core other processes use at least this much of counts as busy: a kernel thread "
+        "sharing it stalls every parallel region it is in",
+    ),
     "close_repeats": Tuned(10, "design", "extra interleaved rounds for a close call"),
     "repeats": Tuned(5, "design", "timed rounds per candidate (after one warm-up round)"),
     "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),
@@ -158,6 +166,16 @@ def decode_forces_dense(
     index_bytes = 2 if shape[1] <= 65536 else 4  # the one-token kernel's column indices
     sparse_bytes = nnz * (element_size + index_bytes)
     return sparse_bytes > TUNED["decode_bytes_ratio"].value * shape[0] * shape[1] * element_size
+
+
+def kernel_threads(requested: int, cpus: int, others_busy: float | None) -> int:
+    """Threads for a kernel call: ``requested`` (torch's count) on a machine of ``cpus`` cores
+    of which other processes keep ``others_busy`` busy (None: unknown), less every core they
+    use at least ``TUNED["busy_core"]`` of; at least one."""
+    if others_busy is None or requested <= 1:
+        return max(requested, 1)
+    free = math.ceil(cpus - others_busy - TUNED["busy_core"].value)
+    return max(1, min(requested, free))
 
 
 def margin(requires_grad: bool) -> float:

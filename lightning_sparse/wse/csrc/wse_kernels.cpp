@@ -349,6 +349,12 @@ void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* x
 
 // D is dense [M, K] (zero at pruned positions) when `dense`, else the kept values [nnz] in CSR
 // order (what a compact layer's value gradient is).
+// SDDMM sums each kept weight's dot product over at most this many token ranges (whole tiles),
+// each into its own partial buffer, then adds the partials in range order: the ranges depend on N
+// only, so the result is the same whatever the thread count (threads take ranges dynamically; a
+// descheduled thread just takes fewer).
+constexpr int kTokenRanges = 4;
+
 template <typename S>
 int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
           int64_t M, S* D, bool dense, int threads) {
@@ -356,36 +362,36 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t nnz = crow[M];
   threads = threads_for(nnz, N, K + M, threads);
-  const bool token_parallel = threads == 1 || N >= threads * kMinTokensPerThread;
-  // Token-parallel threads each sum their own tokens into a private copy of the values.
-  Buffer vbuf(sizeof(S) * nnz * (token_parallel ? threads : 1));
-  Buffer gshared(token_parallel ? 0 : sizeof(S) * M * T_cap);
-  Buffer xshared(token_parallel ? 0 : sizeof(S) * K * T_cap);
+  const int64_t tiles = (N + T_cap - 1) / T_cap;
+  const int ranges = static_cast<int>(std::min<int64_t>(kTokenRanges, std::max<int64_t>(tiles, 1)));
+  // One range (few tokens) and several threads: they share each tile and split its rows instead.
+  const bool by_rows = ranges == 1 && threads > 1;
+  Buffer vbuf(sizeof(S) * nnz * ranges);
+  Buffer gshared(by_rows ? sizeof(S) * M * T_cap : 0);
+  Buffer xshared(by_rows ? sizeof(S) * K * T_cap : 0);
   if (!vbuf.ptr || !gshared.ptr || !xshared.ptr) return 1;
   S* partial = static_cast<S*>(vbuf.ptr);
-  int team = 1;
 #pragma omp parallel num_threads(threads)
   {
-    if (token_parallel) {
-      const int me = omp_get_thread_num();
-#pragma omp single
-      team = omp_get_num_threads();
-      const int64_t a = N * me / team, b = N * (me + 1) / team;
-      S* vals = partial + nnz * me;
-      std::memset(vals, 0, sizeof(S) * nnz);
+    if (!by_rows) {
       Buffer gbuf(sizeof(S) * M * T_cap), xbuf(sizeof(S) * K * T_cap);
       S* gt = static_cast<S*>(gbuf.ptr);
       S* xt = static_cast<S*>(xbuf.ptr);
-      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
-        const int64_t tn = std::min(T_cap, b - n0);
-        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
-          constexpr int T = decltype(nv)::value * kLanes<S>;
-          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
-          transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-          sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
-        });
+#pragma omp for schedule(dynamic, 1)
+      for (int p = 0; p < ranges; ++p) {
+        S* vals = partial + nnz * p;
+        std::memset(vals, 0, sizeof(S) * nnz);
+        for (int64_t tile = tiles * p / ranges; tile < tiles * (p + 1) / ranges; ++tile) {
+          const int64_t n0 = tile * T_cap;
+          const int64_t tn = std::min(T_cap, N - n0);
+          with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+            constexpr int T = decltype(nv)::value * kLanes<S>;
+            transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+            transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+          });
+        }
       }
-#pragma omp barrier
     } else {
       S* gt = static_cast<S*>(gshared.ptr);
       S* xt = static_cast<S*>(xshared.ptr);
@@ -414,7 +420,7 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
       if (dense) std::memset(row, 0, sizeof(S) * K);
       for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
         S sum = partial[k];
-        for (int t = 1; t < team; ++t) sum += partial[nnz * t + k];
+        for (int p = 1; p < ranges; ++p) sum += partial[nnz * p + k];
         if (dense) {
           row[col[k]] = sum;
         } else {

@@ -89,8 +89,16 @@ class WSELinear(nn.Linear):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        fast = self.__dict__.get(_FAST)  # the decode fast path, without a registry lookup
+        if fast is not None and not torch.is_grad_enabled():
+            y = fast(self, input)
+            if y is not None:
+                return y
         y = _execute(self, input)
         return F.linear(input, self.weight, self.bias) if y is None else y
+
+    def __getstate__(self) -> dict[str, Any]:
+        return _without_fast(self.__dict__)
 
     def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -110,12 +118,17 @@ def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
     state = _STATE.get(module)
     if state is None:
         return None
-    fast = state.fast
-    if fast is not None and not torch.is_grad_enabled():
-        y = fast(module, x)
-        if y is not None:
-            return y
     return state.run(module, x)
+
+
+_FAST = "_wse_fast"
+"""The instance attribute holding a layer's `_FastInference` while it is valid: read straight
+from the instance dict by ``forward`` (a decode call of a small layer costs microseconds, so the
+registry lookup matters), dropped from pickles and copies."""
+
+
+def _without_fast(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if k != _FAST}
 
 
 # Hugging Face Conv1D class -> its device subclass.
@@ -129,12 +142,18 @@ def _wse_conv1d_class(base: type) -> type:
     if cls is None:
 
         def forward(self: nn.Module, input: Tensor) -> Tensor:
+            fast = self.__dict__.get(_FAST)
+            if fast is not None and not torch.is_grad_enabled():
+                y = fast(self, input)
+                if y is not None:
+                    return y
             y = _execute(self, input)
             return base.forward(self, input) if y is None else y
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
             rv = super(cls, self).__reduce_ex__(protocol)  # (rebuild, (cls, ...), state, ...)
-            return (copyreg._reconstructor, (base, object, None), *rv[2:])
+            state = _without_fast(rv[2]) if isinstance(rv[2], dict) else rv[2]
+            return (copyreg._reconstructor, (base, object, None), state, *rv[3:])
 
         namespace = {"forward": forward, "__reduce_ex__": __reduce_ex__}
         namespace.update(__module__=base.__module__, __qualname__=base.__qualname__)
@@ -230,7 +249,7 @@ class WSEExecutor:
             self.compact.release()
         for module in list(self._layers):
             if _owner(module) is self:
-                del _STATE[module]
+                _STATE.pop(module).fast = None
                 if _on_device(module):
                     module.__class__ = type(module).__base__
         self._layers = weakref.WeakSet()
@@ -291,9 +310,13 @@ class _LayerState:
     (objects and ``_version``); the kernels see `out_in` views, ``[out, in]``.
     """
 
-    def __init__(self, executor: WSEExecutor, name: str, in_out: bool = False) -> None:
+    def __init__(
+        self, executor: WSEExecutor, name: str, module: nn.Module, in_out: bool = False
+    ) -> None:
         self.executor = executor
         self.name = name
+        self._module = weakref.ref(module)
+        self._fast: _FastInference | None = None
         self.in_out = in_out  # weight stored [in, out] (HF Conv1D)
         self.csr: CSRWeight | None = None
         self.mask: Tensor | None = None  # the tensor the cache was built from
@@ -307,11 +330,26 @@ class _LayerState:
         # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
         self.values: Tensor | None = None
         self.values_key: tuple[CSRWeight, int, Tensor | None] | None = None
-        self.runners: dict[int, Callable[[Tensor], Tensor]] = {}
-        self.fast: _FastInference | None = None
+        # (runner, executed FLOPs per token, plain F.linear) per token count.
+        self.runners: dict[int, tuple[Callable[[Tensor], Tensor], int, bool]] = {}
         # Compact training (`compact.py`): the layer's compact form, and its path per tokens.
         self.compact: CompactState | None = None
         self.compact_paths: dict[int, str] = {}
+
+    @property
+    def fast(self) -> _FastInference | None:
+        """The decode fast path while valid (mirrored into the module's instance dict)."""
+        return self._fast
+
+    @fast.setter
+    def fast(self, value: _FastInference | None) -> None:
+        self._fast = value
+        module = self._module()
+        if module is not None:
+            if value is None:
+                module.__dict__.pop(_FAST, None)
+            else:
+                module.__dict__[_FAST] = value
 
     def out_in(self, t: Tensor) -> Tensor:
         """``t`` (weight or mask) as ``[out, in]``: a transposed view for a Conv1D."""
@@ -357,8 +395,8 @@ class _LayerState:
             return self._run_compact(x, module, inference)
         csr = self.structure(module, mask, transpose=not inference)
         if inference:
-            y = self._infer(x, module, csr)
-            self._record(x, y, weight, csr.nnz, dense_grad=False)
+            y, kept = self._infer(x, module, csr)
+            self._record(x, y, weight, kept, dense_grad=False)
             return y
         if self.values is not None:  # training gathers per call; free the inference cache
             self.values, self.values_key, self.runners, self.fast = None, None, {}, None
@@ -440,8 +478,8 @@ class _LayerState:
         csr = compact.csr
         tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
         if inference:
-            y = self._infer_compact(x, compact, bias, tokens)
-            self._record(x, y, compact.weight, csr.nnz, dense_grad=False)
+            y, kept = self._infer_compact(x, compact, bias, tokens)
+            self._record(x, y, compact.weight, kept, dense_grad=False)
             return y
         if self.values is not None:  # training: free the inference cache
             self.values, self.values_key, self.runners, self.fast = None, None, {}, None
@@ -457,9 +495,9 @@ class _LayerState:
 
     def _infer_compact(
         self, x: Tensor, compact: CompactState, bias: Tensor | None, tokens: int
-    ) -> Tensor:
+    ) -> tuple[Tensor, int]:
         """Inference from the compact values (validation during a fit), cached per values
-        version as `_infer` caches per weight version."""
+        version as `_infer` caches per weight version; returns (output, weights executed)."""
         csr, values = compact.csr, compact.values
         if x.dim() == 0 or x.shape[-1] != csr.shape[1]:
             raise ValueError(f"x must be [..., {csr.shape[1]}], got shape {tuple(x.shape)}")
@@ -474,13 +512,13 @@ class _LayerState:
             self.values = self._stored(values.detach())
             self.values_key = (csr, values._version, bias)
             self.runners, self.fast = {}, None
-        runner = self.runners.get(tokens)
-        if runner is None:
+        entry = self.runners.get(tokens)
+        if entry is None:
             path = resolve_path(x, values, csr, self.executor.path, requires_grad=False)
             assert self.values is not None
             runner = inference_runner(path, self.values, csr, None, None, bias)
-            self.runners[tokens] = runner
-        return runner(x)
+            entry = self.runners[tokens] = _runner_entry(runner, path, csr)
+        return entry[0](x), entry[1] // 2
 
     def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:
         """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
@@ -499,9 +537,10 @@ class _LayerState:
                 return True
         return False
 
-    def _infer(self, x: Tensor, module: nn.Module, csr: CSRWeight) -> Tensor:
+    def _infer(self, x: Tensor, module: nn.Module, csr: CSRWeight) -> tuple[Tensor, int]:
         """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights):
-        ``x [..., in] -> [..., out]``.
+        ``x [..., in] -> [..., out]``, and the weights the chosen path executed (the kept count,
+        or every weight where it runs dense).
 
         The kept values are gathered once and reused until the weight is written (its version
         counter moves: an optimizer step between validation runs, ``load_state_dict``) or the
@@ -515,7 +554,8 @@ class _LayerState:
         if weight.is_inference():  # no version counter to key a cache on
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
             values = self._stored(csr.gather_values(weight.detach()))
-            return inference_runner(path, values, csr, weight, mask, bias)(x)
+            kept = weight.numel() if path == "dense" else csr.nnz
+            return inference_runner(path, values, csr, weight, mask, bias)(x), kept
         key = self.values_key
         if key is None or key[0] is not csr or key[1] != weight._version or key[2] is not bias:
             self.values = self._stored(csr.gather_values(weight.detach()))
@@ -525,13 +565,13 @@ class _LayerState:
             if not mask.is_inference() and weight.is_cpu:
                 self.fast = _FastInference(self, param, buffer, bias, x.dtype, csr)
         tokens = x.numel() // in_features if in_features else 0
-        runner = self.runners.get(tokens)
-        if runner is None:
+        entry = self.runners.get(tokens)
+        if entry is None:
             path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
             assert self.values is not None
             runner = inference_runner(path, self.values, csr, weight, mask, bias)
-            self.runners[tokens] = runner
-        return runner(x)
+            entry = self.runners[tokens] = _runner_entry(runner, path, csr)
+        return entry[0](x), entry[1] // 2
 
     def _stored(self, values: Tensor) -> Tensor:
         """The kept values as inference holds them (`WSEExecutor` ``inference_dtype``)."""
@@ -605,6 +645,15 @@ class _LayerState:
             )
 
 
+def _runner_entry(
+    runner: Callable[[Tensor], Tensor], path: str, csr: CSRWeight
+) -> tuple[Callable[[Tensor], Tensor], int, bool]:
+    """A runner, the forward FLOPs per token it executes (every weight where it runs dense) and
+    whether it is plain ``F.linear`` (no dtype or autocast constraints)."""
+    dense = path == "dense"
+    return runner, 2 * (csr.shape[0] * csr.shape[1] if dense else csr.nnz), dense
+
+
 class _FastInference:
     """A layer's forward without autograd when nothing changed since the last call: the same
     mask buffer (object and version), weight parameter (object and version; ``[out, in]`` or a
@@ -615,42 +664,53 @@ class _FastInference:
     ``nn.Module.__getattr__``), since a one-token call of a small layer costs a few microseconds.
     """
 
-    __slots__ = ("state", "stats", "weight", "weight_version", "mask", "mask_version", "bias",
-                 "dtype", "in_features", "nnz", "numel")  # fmt: skip
+    __slots__ = ("runners", "stats", "total", "weight", "weight_version", "mask", "mask_version",
+                 "bias", "dtype", "in_features", "numel")  # fmt: skip
 
     def __init__(
         self, state: _LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
         dtype: torch.dtype, csr: CSRWeight,
     ) -> None:  # fmt: skip
-        self.state, self.stats = state, state.executor.stats
+        self.runners = state.runners  # token count -> (runner, executed FLOPs per token)
+        self.stats = state.executor.stats
+        self.total = self.stats.total_flops["forward"]  # never replaced (the window is)
         self.weight, self.mask, self.bias, self.dtype = weight, mask, bias, dtype
         self.weight_version, self.mask_version = weight._version, mask._version
         self.in_features = csr.shape[1]
-        self.nnz, self.numel = csr.nnz, weight.numel()
+        self.numel = weight.numel()
 
     def __call__(self, module: nn.Module, x: Tensor) -> Tensor | None:
         params = module._parameters
-        weight, mask = params["weight"], module._buffers.get(_MASK)
+        weight = params["weight"]
         if (
             weight is not self.weight
-            or mask is not self.mask
-            or params.get("bias") is not self.bias
             or weight._version != self.weight_version
-            or mask._version != self.mask_version
-            or x.dtype is not self.dtype
-            or not x.is_cpu
-            or torch.is_autocast_enabled("cpu")
+            or module._buffers.get(_MASK) is not self.mask
+            or self.mask._version != self.mask_version
+            or params.get("bias") is not self.bias
         ):
             return None
         shape = x.shape
         if not shape or shape[-1] != self.in_features:
             return None
         tokens = x.numel() // self.in_features
-        runner = self.state.runners.get(tokens)
-        if runner is None:
+        entry = self.runners.get(tokens)
+        # A dense runner is F.linear on the (masked) weight: what nn.Linear runs, for any dtype,
+        # device or autocast state. The CSR kernels need their own dtype, a CPU input, no autocast.
+        if entry is None or not entry[2] and (
+            x.dtype is not self.dtype or not x.is_cpu or torch.is_autocast_enabled("cpu")
+        ):
             return None
-        y = runner(x)
-        self.stats.add_flops("forward", 2 * tokens * self.nnz, 2 * tokens * self.numel)
+        y = entry[0](x)
+        # The statistics' forward counts, without a method call (a decode call is microseconds).
+        stats = self.stats
+        window = (stats.eval_flops if stats.evaluating else stats.step_flops)["forward"]
+        executed, dense = entry[1] * tokens, 2 * tokens * self.numel
+        window[0] += executed
+        window[1] += dense
+        total = self.total
+        total[0] += executed
+        total[1] += dense
         return y
 
 
@@ -762,7 +822,10 @@ def install_executor(
         elif is_hf_conv1d(module) and not _on_device(module):
             module.__class__ = _wse_conv1d_class(type(module))
         if _on_device(module):
-            _STATE[module] = _LayerState(executor, name, in_out=is_hf_conv1d(module))
+            old = _STATE.get(module)
+            if old is not None:  # taken over from another executor
+                old.fast = None
+            _STATE[module] = _LayerState(executor, name, module, in_out=is_hf_conv1d(module))
             executor._layers.add(module)
     executor.check_fallbacks()
     return executor

@@ -19,6 +19,7 @@ keeps while nothing changes. Which path runs is `autotune.resolve_path`'s decisi
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -63,18 +64,16 @@ def inference_runner(
         # bf16 storage (`inference_dtype`): the same rounded values on every path.
         values = values.float()
         if path == "dense":
-            dense = csr.to_dense(values)
-            return lambda x: F.linear(x, dense, bias)
+            return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
     if path == "dense" and (weight is None or mask is None):  # a compact layer: no weight
-        dense = csr.to_dense(values)
-        return lambda x: F.linear(x, dense, bias)
+        return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
     if path == "dense":
         # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
         # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
         masked = zero_pruned_(weight.detach().clone(), mask)
         dense = weight.detach() if torch.equal(masked, weight) else masked
         del masked
-        return lambda x: F.linear(x, dense, bias)
+        return functools.partial(F.linear, weight=dense, bias=bias)  # no Python frame per call
     bias = None if bias is None else bias.detach().contiguous()
     if path != "compiled":
         matmul = _BACKENDS[path].matmul

@@ -124,7 +124,7 @@ def _compact_of(compact: Any, param: torch.Tensor) -> Any:
 def _csr_of(executor: Any, module: torch.nn.Module) -> Any:
     if executor is None:
         return None
-    from lightning_sparse.wse.executor import _STATE
+    from lightning_sparse.wse.layer import STATE as _STATE
 
     state = _STATE.get(module)
     return None if state is None else state.csr

@@ -35,7 +35,7 @@ from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.threads import kernel_threads
 
-__all__ = ["inference_runner", "run_compact_path", "run_path"]
+__all__ = ["DenseWeightGrad", "inference_runner", "run_compact_path", "run_path"]
 
 
 def inference_runner(
@@ -288,6 +288,24 @@ def run_compact_path(
     x2 = x.reshape(-1, in_features)
     y2 = _CompactLinearFunction.apply(x2, values, bias, csr, _BACKENDS[path])
     return y2.reshape(*x.shape[:-1], out_features)
+
+
+class DenseWeightGrad(torch.autograd.Function):
+    """Identity on a layer's output ``y`` whose backward also gives ``weight`` the dense gradient
+    ``grad_Y^T X`` (what `nn.Linear` computes), while ``y`` itself came from the sparse kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_y, None, grad_w
 
 
 # --- Backends -------------------------------------------------------------------------------------

@@ -18,8 +18,8 @@ from torch import nn
 from lightning_sparse import RigL, Static
 from lightning_sparse.wse import install_executor, on_wse
 from lightning_sparse.wse.csr import CSRWeight
-from lightning_sparse.wse.executor import _STATE
 from lightning_sparse.wse.kernels import compiled_available
+from lightning_sparse.wse.layer import STATE as _STATE
 
 PATH = "compiled" if compiled_available() else "torch"
 

@@ -128,15 +128,21 @@ def test_without_an_elementwise_optimizer_layers_keep_the_dense_state() -> None:
 
 
 # ------------------------------------------------------------------ mask updates
+def _masks(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The mask buffers (read from the modules, whether or not the state dict carries them)."""
+    return {k: v.clone() for k, v in module.named_buffers() if k.endswith("_mask")}
+
+
 class Snapshots(pl.Callback):
-    """Model and optimizer state dicts after every optimizer step."""
+    """Model and optimizer state dicts and the masks after every optimizer step."""
 
     def __init__(self) -> None:
-        self.rows: list[tuple[dict, dict]] = []
+        self.rows: list[tuple[dict, dict, dict]] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
         model = {k: v.clone() for k, v in pl_module.state_dict().items()}
-        self.rows.append((model, copy.deepcopy(trainer.optimizers[0].state_dict())))
+        optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+        self.rows.append((model, optimizer, _masks(pl_module)))
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
@@ -153,9 +159,10 @@ def test_mask_updates_move_weights_and_moments_as_the_cpu_path(optimizer: str) -
     for step, (wse, cpu) in enumerate(zip(runs["wse"], runs["cpu"], strict=True)):
         _close(wse[0], cpu[0], f"model @ {step}")
         _close(wse[1], cpu[1], f"optimizer @ {step}")
-    masks = [k for k in runs["cpu"][0][0] if k.endswith("_mask")]
-    assert len(masks) == MASKED
-    assert any(not torch.equal(runs["cpu"][0][0][k], runs["cpu"][-1][0][k]) for k in masks)
+        _close(wse[2], cpu[2], f"masks @ {step}")
+    first, last = runs["cpu"][0][2], runs["cpu"][-1][2]
+    assert len(first) == MASKED
+    assert any(not torch.equal(first[k], last[k]) for k in first)  # the masks did change
 
 
 def test_rigl_200_steps_equal_the_cpu_path() -> None:
@@ -167,7 +174,8 @@ def test_rigl_200_steps_equal_the_cpu_path() -> None:
         module, _ = _fit(name, _rigl(freq=25), steps=200, callbacks=(recorder,),
                          loader=token_loader(n=8 * 200, seq=5, batch=8))  # fmt: skip
         losses[name] = torch.stack(recorder.losses)
-        masks[name] = {k: v for k, v in module.state_dict().items() if k.endswith("_mask")}
+        masks[name] = _masks(module)
+    assert len(losses["cpu"]) == 200 and len(masks["cpu"]) == MASKED
     torch.testing.assert_close(losses["wse"], losses["cpu"], rtol=1e-9, atol=1e-12)
     _close(masks["wse"], masks["cpu"], "masks")
 
@@ -213,6 +221,8 @@ def test_checkpoint_written_mid_run_has_the_cpu_format_and_resumes_across(
     trainer.fit(resumed, repeated_batch_loader(), ckpt_path=paths[first])
     straight, _ = _fit("cpu", _rigl(), steps=10, loader=repeated_batch_loader())
     _close(resumed.state_dict(), straight.state_dict(), "resumed")
+    _close(_masks(resumed), _masks(straight), "resumed masks")
+    assert len(_masks(straight)) == MASKED
 
 
 class RoundTrip(pl.Callback):
@@ -240,6 +250,7 @@ def test_loading_state_dicts_during_compact_training_changes_nothing() -> None:
     assert roundtrip.compact_after == MASKED  # compact again at the next step
     straight, _ = _fit("cpu", _rigl(), steps=8)
     _close(module.state_dict(), straight.state_dict(), "state_dict")
+    _close(_masks(module), _masks(straight), "masks")
 
 
 # ------------------------------------------------------------------ validation, densify

@@ -182,11 +182,12 @@ def report(
         )
         choices = sorted({(k[2], k[3], k[5], k[6], v) for k, v in autotune_choices().items()})
         print(
-            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad; kept = "
-            "dense is plain F.linear under the algorithm): "
+            "kernel paths chosen by 'auto' (shape, density bucket 4*log2(density), grad, mode: "
+            "kept = dense is plain F.linear under the algorithm, compact = the layer trains its "
+            "kept values): "
             + ", ".join(
-                f"{shape} {bucket} {'fwd+bwd' if grad else 'fwd'}{' kept' * kept} -> {path}"
-                for shape, bucket, grad, kept, path in choices
+                f"{shape} {bucket} {'fwd+bwd ' + mode if grad else 'fwd'} -> {path}"
+                for shape, bucket, grad, mode, path in choices
             )
         )
         ratio = med[f"cpu {GOAL_SPARSITY:.2f}"] / med[f"wse {GOAL_SPARSITY:.2f}"]

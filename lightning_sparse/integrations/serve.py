@@ -5,12 +5,12 @@ Sources (`load_on_wse(path)`):
 
 - a compressed export (``export(..., format="compressed")``, compressed-tensors
   ``sparse-bitmask``): each compressed weight of an `nn.Linear` or HF ``Conv1D`` becomes a
-  `CompactLinear` built from its bitmask and kept values: no dense float copy of it exists at any
+  `CSRLinear` built from its bitmask and kept values: no dense float copy of it exists at any
   time;
 - an ``hf`` export (dense safetensors, pruned weights exactly zero) or a Lightning checkpoint of
   `LitCausalLM` (this package's `Llama`, or `HFCausalLM` as recorded in the run's
   ``config.yaml``): each weight is read alone (a transient dense tensor of one layer) and its
-  nonzeros become a `CompactLinear`.
+  nonzeros become a `CSRLinear`.
 
 A weight runs in CSR where `compact.runs_in_csr` holds (sparse enough that its values and 16-bit
 columns are at most half its dense bytes, the rule the executor applies to decode, about 67%
@@ -39,7 +39,7 @@ from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.integrations.serve_files import TensorFile, compressed_groups
 from lightning_sparse.integrations.serve_model import FIX, describe
 from lightning_sparse.models.llama import Llama, generate
-from lightning_sparse.wse.compact import CompactLinear, runs_in_csr, unpack_bitmask
+from lightning_sparse.wse.csr_linear import CSRLinear, runs_in_csr, unpack_bitmask
 
 __all__ = ["INFERENCE_DTYPES", "ServedModel", "load_on_wse"]
 
@@ -52,16 +52,16 @@ class ServedModel:
 
     Attributes:
         model: the `Llama` or ``transformers`` causal LM, eval mode, no gradients, its sparse
-            layers `CompactLinear`.
+            layers `CSRLinear`.
         source: the directory or checkpoint it came from.
-        layers: ``{module name: CompactLinear}`` of the layers in CSR.
+        layers: ``{module name: CSRLinear}`` of the layers in CSR.
         dense_layers: names of the `nn.Linear`/``Conv1D`` weights left dense (too dense for CSR
             to pay, or shared).
     """
 
     model: nn.Module
     source: Path
-    layers: dict[str, CompactLinear]
+    layers: dict[str, CSRLinear]
     dense_layers: list[str]
 
     @property
@@ -205,12 +205,12 @@ def _trim_heap() -> None:
 # ------------------------------------------------------------------------------------ install
 def _install(
     model: nn.Module, tensors: TensorFile, value_dtype: torch.dtype | None
-) -> tuple[dict[str, CompactLinear], list[str]]:
+) -> tuple[dict[str, CSRLinear], list[str]]:
     """Fills the meta ``model`` from ``tensors``, one tensor at a time, in ``state_dict`` order:
     CSR layers where they pay (`_compact`), dense parameters and buffers elsewhere.
 
     Returns:
-        ({module name: CompactLinear}, keys of the Linear/Conv1D weights left dense).
+        ({module name: CSRLinear}, keys of the Linear/Conv1D weights left dense).
     """
     shapes = tensors.shapes
     groups = compressed_groups(shapes)
@@ -227,7 +227,7 @@ def _install(
     used: set[str] = set()
     done: set[int] = set()
     missing: list[str] = []
-    layers: dict[str, CompactLinear] = {}
+    layers: dict[str, CSRLinear] = {}
     dense: list[str] = []
     for key, meta in model.state_dict(keep_vars=True).items():
         if id(meta) in done:
@@ -239,7 +239,7 @@ def _install(
         if key.endswith(".weight") and module_name in linear and len(owners) == 1:
             module = linear[module_name]
             layer, read = _compact(module, key, groups.get(key), tensors, value_dtype, used)
-            if isinstance(layer, CompactLinear):
+            if isinstance(layer, CSRLinear):
                 parent, _, child = module_name.rpartition(".")
                 setattr(model.get_submodule(parent), child, layer)
                 layers[module_name] = layer
@@ -291,8 +291,8 @@ def _compact(
     tensors: TensorFile,
     value_dtype: torch.dtype | None,
     used: set[str],
-) -> tuple[CompactLinear | None, Tensor | None]:
-    """``module``'s `CompactLinear` read from the file, or (None, the weight if read) where the
+) -> tuple[CSRLinear | None, Tensor | None]:
+    """``module``'s `CSRLinear` read from the file, or (None, the weight if read) where the
     weight stays dense (too dense for CSR to pay; not in the file: the caller reports it)."""
     transposed = is_hf_conv1d(module)  # stored [in, out]
     expected = tuple(module.weight.shape)
@@ -307,7 +307,7 @@ def _compact(
         used.add(shape_key)
         bias = _read_bias(module, bias_key, tensors, used)
         parts = [tensors.read(f"{group}.{p}") for p in ("bitmask", "compressed", "row_offsets")]
-        layer = CompactLinear.from_bitmask(
+        layer = CSRLinear.from_bitmask(
             shape, parts[0], parts[1], bias, transposed=transposed, value_dtype=value_dtype,
             row_offsets=parts[2],
         )  # fmt: skip
@@ -320,7 +320,7 @@ def _compact(
         if not runs_in_csr(expected[::-1] if transposed else expected, nnz, weight.element_size()):
             return None, weight
         bias = _read_bias(module, bias_key, tensors, used)
-        layer = CompactLinear.from_dense(
+        layer = CSRLinear.from_dense(
             weight, bias, transposed=transposed, value_dtype=value_dtype, release=tensors.release
         )
         parts = [weight]

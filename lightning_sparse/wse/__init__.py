@@ -9,8 +9,8 @@ from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_sparse.wse.autotune import autotune_choices, clear_autotune_cache, resolve_path
-from lightning_sparse.wse.compact import CompactLinear
 from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.csr_linear import CSRLinear
 from lightning_sparse.wse.executor import (
     WSEExecutor,
     WSELinear,
@@ -39,7 +39,7 @@ for _strategy in (WSEStrategy, WSEDDPStrategy):
 __all__ = [
     "PATHS",
     "CSRWeight",
-    "CompactLinear",
+    "CSRLinear",
     "LayerMemory",
     "WSEAccelerator",
     "WSEDDPStrategy",

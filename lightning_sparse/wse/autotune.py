@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_sparse.wse import native, policy
 from lightning_sparse.wse.csr import CSRWeight
-from lightning_sparse.wse.ops import inference_runner, run_path
+from lightning_sparse.wse.ops import inference_runner, run_compact_path, run_path
 from lightning_sparse.wse.policy import PATHS, TUNED
 
 __all__ = ["PATH_ENV", "autotune_choices", "clear_autotune_cache", "resolve_path"]
@@ -54,6 +54,7 @@ def resolve_path(
     path: str | None = None,
     requires_grad: bool = True,
     zeros_kept: bool = False,
+    compact: bool = False,
 ) -> str:
     """The concrete path ("compiled", "torch" or "dense") a `sparse_linear` call would take.
 
@@ -66,6 +67,9 @@ def resolve_path(
         zeros_kept: the caller runs "dense" as plain ``F.linear(x, weight, bias)``, because an
             algorithm already keeps the pruned weights and gradients at exactly 0 (the device's
             executor under a sparsity algorithm); "auto" then times that as dense's cost.
+        compact: the caller holds the kept values, not a weight (`ops.run_compact_path`, the
+            device's compact training); "auto" times the compact ops (``csr`` must carry
+            ``t_perm``), dense as ``F.linear`` on the weight built from the values per call.
 
     Returns:
         The path. "auto" measures the candidates on first use of a key and caches the winner.
@@ -80,14 +84,15 @@ def resolve_path(
             raise ValueError(f"path {requested!r} cannot run here: {reason}")
         return requested
     tokens = x.numel() // max(x.shape[-1], 1)
+    mode = "compact" if compact else "kept" if zeros_kept else "masked"
     key = policy.autotune_key(
-        x.device.type, x.dtype, csr.shape, csr.nnz, tokens, requires_grad, zeros_kept
+        x.device.type, x.dtype, csr.shape, csr.nnz, tokens, requires_grad, mode
     )
     if key not in _AUTOTUNE_CACHE:
         # "dense" has no unsupported reason: it is always a candidate, the fallback.
         candidates = [p for p in PATHS if unsupported_reason(p, x) is None]
         _AUTOTUNE_CACHE[key] = _autotune(
-            candidates, x, csr, policy.token_bucket_of(key), requires_grad, zeros_kept
+            candidates, x, csr, policy.token_bucket_of(key), requires_grad, mode
         )
     return _AUTOTUNE_CACHE[key]
 
@@ -98,9 +103,10 @@ def _autotune(
     csr: CSRWeight,
     tokens: int,
     requires_grad: bool,
-    zeros_kept: bool = False,
+    mode: str = "masked",
 ) -> str:
-    """Fastest candidate on synthetic data of the real shapes and structure.
+    """Fastest candidate on synthetic data of the real shapes and structure (``mode``: what
+    the caller runs in training, see `policy.autotune_key`).
 
     Candidates run interleaved; each is scored by its best repeat, the least disturbed by other
     processes, which estimates its intrinsic cost better than the median on a shared machine.
@@ -117,9 +123,9 @@ def _autotune(
     ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
     times: dict[str, list[float]] = {p: [] for p in candidates}
     if requires_grad:
-        runs = {
-            p: functools.partial(_time_once, p, xs, ws, csr, True, zeros_kept) for p in candidates
-        }
+        if mode == "compact":
+            ws = csr.gather_values(ws.detach()).requires_grad_()
+        runs = {p: functools.partial(_time_once, p, xs, ws, csr, True, mode) for p in candidates}
     else:  # what inference runs: a runner on pre-gathered values (`inference_runner`)
         values = csr.gather_values(ws)
         mask = csr.to_mask()
@@ -152,13 +158,17 @@ def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor, calls: int = 1) 
 
 
 def _time_once(
-    path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool, zeros_kept: bool = False
+    path: str, x: Tensor, weight: Tensor, csr: CSRWeight, backward: bool, mode: str = "masked"
 ) -> float:
+    """Seconds of one call (and its backward); ``weight`` is the kept values in "compact"
+    mode."""
     x.grad = weight.grad = None
     _synchronize(x.device)
     start = time.perf_counter()
     with torch.set_grad_enabled(backward):
-        if path == "dense" and zeros_kept:  # what the executor runs then: no masking passes
+        if mode == "compact":
+            y = run_compact_path(path, x, weight, csr, None)
+        elif path == "dense" and mode == "kept":  # what the executor runs: no masking passes
             y = F.linear(x, weight)
         else:
             y = run_path(path, x, weight, csr, None)
@@ -180,5 +190,5 @@ def clear_autotune_cache() -> None:
 
 def autotune_choices() -> dict[tuple, str]:
     """A copy of the "auto" choices made so far, keyed by (device, dtype, shape, density bucket,
-    token bucket, grad, zeros kept)."""
+    token bucket, grad, mode: "masked", "kept" or "compact" for training calls)."""
     return dict(_AUTOTUNE_CACHE)

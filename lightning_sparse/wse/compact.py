@@ -1,348 +1,328 @@
-"""`CompactLinear`: a sparse linear layer held only in CSR, for inference on the device.
+"""Compact training state: a masked layer's kept values are the parameter its optimizer steps.
 
-The executor (`executor.py`) runs a masked `nn.Linear` that still holds its dense weight, so
-training can go on; serving a trained model needs none of that. A `CompactLinear` holds what the
-decode kernels read and nothing else:
+On the device a masked `nn.Linear` owned by a live sparsity algorithm trains in one of two forms:
 
-- ``crow_indices``: int32 `[out + 1]` row pointers;
-- ``col_indices``: the column of each kept weight, `[nnz]`: the one-token kernel's 16-bit indices
-  (int16 bit patterns of uint16 columns) where the compiled kernels run and ``in <= 65536``,
-  else int32 (a multi-token call widens the 16-bit ones for that call only);
-- ``values``: the kept values `[nnz]` in CSR order (float32, bfloat16 storage of float32, or
-  float64);
-- ``bias`` `[out]` if any.
+- **compact** (every ordinary step): the kept values ``[nnz]`` (CSR order of the mask) are an
+  `nn.Parameter` that takes the weight's place in its optimizer's param group; the value
+  gradient and the optimizer state (Adam's moments, SGD's momentum, ...) are ``[nnz]`` too. The
+  layer's ``weight`` parameter stays registered (same object, so the algorithm's references,
+  hooks and the state-dict keys stay) but holds no values: a one-element NaN storage expanded
+  to ``[out, in]``, so a stray read shows NaN and a stray write is an error. Nothing of the
+  weight's size is held.
+- **dense** (the steps whose mask update reads the dense weight and gradient: RigL, GraNet,
+  SET, GMP update steps; and whenever compact training does not apply): exactly the masked
+  dense state of ``accelerator="cpu"``, so the algorithm updates masks, prunes weights,
+  gradients and moments as the cpu path does (kept weights keep their moments, grown ones start
+  at zero with zero moments). The step after it goes compact again.
 
-In fp32 with 16-bit columns that is 6 bytes per kept weight plus 4 per row: 0.15x the dense
-weight at 90% sparsity (0.10x with bfloat16 values). Its forward is `ops.csr_runner`, the runner
-the executor's inference path uses, on the compiled path (the "torch" path where the native
-library is unavailable).
+`to_compact` gathers weight, gradient and every weight-shaped optimizer state tensor at the kept
+positions and swaps the parameter in the optimizer; `to_dense` scatters them back. Both are all
+or nothing: every new tensor is built before anything is swapped. Pruned positions hold exact
+zeros in the dense form (the per-step path keeps them so), so a round trip loses nothing.
 
-It is built from the compressed-tensors ``sparse-bitmask`` layout (`from_bitmask`: bit-packed
-mask + kept values, never a dense float weight) or from a dense weight whose pruned entries are
-exactly zero (`from_dense`). Both read the mask a block of rows at a time (at most `BLOCK`
-entries: a transient bool block and its int64 nonzero positions).
+Checkpoints keep the cpu format: `state_dict_hook` writes the dense weight into a model state
+dict, `optimizer_state_dict_hook` the dense moments into an optimizer state dict; loading either
+turns the layers dense first (the loaded tensors then land in the ordinary places).
+
+Only optimizers whose update is elementwise per parameter qualify (`ELEMENTWISE`): for them
+stepping the kept values equals stepping the masked dense weight. Others (Adafactor's factored
+moments, LBFGS, Muon) keep the layer dense.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
-from lightning_sparse.wse import native, policy
-from lightning_sparse.wse.ops import csr_runner
+from lightning_sparse.wse.csr import CSRWeight
 
-__all__ = ["BLOCK", "CompactLinear", "runs_in_csr", "unpack_bitmask"]
+__all__ = [
+    "ELEMENTWISE",
+    "CompactLayers",
+    "CompactState",
+    "find_slot",
+    "qualifies",
+    "release",
+    "to_compact",
+    "to_dense",
+    "update_due",
+]
 
-BLOCK = 1 << 20
-"""Mask entries unpacked at once while building (a transient bool block of this many bytes)."""
-_INT32_MAX = 2**31 - 1
-_VALUE_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD", "Adam", "AdamW", "NAdam", "RAdam", "Adagrad", "Adadelta", "ASGD", "RMSprop",
+        "Adamax", "Rprop",
+    )
+    if hasattr(torch.optim, name)
+)  # fmt: skip
+"""Optimizer types (exact) whose step is elementwise per parameter tensor."""
 
 
-def runs_in_csr(shape: tuple[int, int], nnz: int, element_size: int) -> bool:
-    """Whether a weight `[out, in]` with ``nnz`` kept entries is served in CSR: the rule the
-    executor applies to decode (`policy.decode_forces_dense`: values plus column indices at most
-    ``TUNED["decode_bytes_ratio"]`` of the dense bytes, about 67% sparsity in fp32); a denser
-    weight decodes faster dense."""
-    return not policy.decode_forces_dense(shape, nnz, element_size, 1, False)
+def qualifies(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` can step a layer's kept values in place of its weight."""
+    return type(optimizer) in ELEMENTWISE
 
 
-class CompactLinear(nn.Module):
-    """``y = x W^T + b`` for a sparse ``W [out, in]`` held only in CSR; inference only.
+class CompactState:
+    """One layer in compact form.
 
-    Build it with `from_bitmask` or `from_dense`. The index and value tensors are
-    non-persistent buffers (listed by ``named_buffers``, absent from ``state_dict``).
+    Attributes:
+        weight: the layer's weight parameter (the dense handle; holds no values meanwhile).
+        values: the kept values ``[nnz]``, the parameter the optimizer steps.
+        csr: the structure the values follow (with ``t_perm``).
+        optimizer: the optimizer holding ``values`` (weakly).
+    """
+
+    __slots__ = ("csr", "optimizer", "values", "weight")
+
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        values: nn.Parameter,
+        csr: CSRWeight,
+        optimizer: torch.optim.Optimizer,
+    ) -> None:
+        self.weight, self.values, self.csr = weight, values, csr
+        self.optimizer: weakref.ref[torch.optim.Optimizer] = weakref.ref(optimizer)
+
+    def dense_weight(self) -> Tensor:
+        """The dense ``[out, in]`` weight (a new tensor; zeros at pruned positions)."""
+        return self.csr.to_dense(self.values.detach())
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held: ``values``, ``grad``, ``state`` (optimizer) and ``indices``."""
+        optimizer = self.optimizer()
+        state = optimizer.state.get(self.values, {}) if optimizer is not None else {}
+        grad = self.values.grad
+        return {
+            "values": self.values.nbytes,
+            "grad": 0 if grad is None else grad.nbytes,
+            "state": sum(v.nbytes for v in state.values() if torch.is_tensor(v)),
+            "indices": self.csr.nbytes,
+        }
+
+
+def find_slot(
+    optimizers: Iterable[torch.optim.Optimizer], param: Tensor
+) -> tuple[torch.optim.Optimizer, dict[str, Any], int] | None:
+    """(optimizer, param group, index in its ``params``) of ``param``: the only place it is
+    stepped, or None if no optimizer (or more than one place) holds it."""
+    found = [
+        (optimizer, group, i)
+        for optimizer in optimizers
+        for group in optimizer.param_groups
+        for i, p in enumerate(group["params"])
+        if p is param
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+def _placeholder(weight: Tensor) -> Tensor:
+    """One NaN element expanded to ``weight``'s shape: no storage of the weight's size."""
+    return torch.full((), float("nan"), dtype=weight.dtype, device=weight.device).expand(
+        weight.shape
+    )
+
+
+def is_placeholder(weight: Tensor) -> bool:
+    """Whether ``weight`` currently holds no values (a compact layer's dense handle)."""
+    return weight.dim() > 0 and weight.numel() > 1 and all(s == 0 for s in weight.stride())
+
+
+def to_compact(
+    weight: nn.Parameter,
+    csr: CSRWeight,
+    slot: tuple[torch.optim.Optimizer, dict[str, Any], int],
+) -> CompactState:
+    """Move ``weight`` (dense, pruned) into compact form under ``csr`` (built with
+    ``permutation=True``): its kept values, gradient and weight-shaped optimizer state are
+    gathered, the values take its place in the optimizer, and the weight is emptied.
+
+    Positions ``csr`` drops (a mask that changed since the weight was pruned) are dropped with
+    their gradient and moments, as the cpu path's pruning zeroes them.
+    """
+    optimizer, group, index = slot
+    with torch.no_grad():
+        values = nn.Parameter(csr.gather_values(weight.detach()), requires_grad=True)
+        grad = None if weight.grad is None else csr.gather_values(weight.grad)
+        old = optimizer.state.get(weight)
+        state = None if old is None else _moved(old, weight.shape, csr.gather_values)
+    # Commit: nothing below allocates a tensor of the weight's size or can fail halfway.
+    values.grad = grad
+    group["params"][index] = values
+    if old is not None:
+        del optimizer.state[weight]
+        optimizer.state[values] = state
+    weight.grad = None
+    weight.data = _placeholder(weight)
+    return CompactState(weight, values, csr, optimizer)
+
+
+def to_dense(compact: CompactState) -> None:
+    """Undo `to_compact`: the weight, its gradient and its optimizer state become dense again
+    (zeros at pruned positions) and the weight takes the values' place in the optimizer."""
+    weight, values, csr = compact.weight, compact.values, compact.csr
+    optimizer = compact.optimizer()
+    with torch.no_grad():
+        dense = csr.to_dense(values.detach())
+        grad = None if values.grad is None else csr.to_dense(values.grad)
+        old = None if optimizer is None else optimizer.state.get(values)
+        state = None if old is None else _moved(old, values.shape, csr.to_dense)
+    weight.data = dense
+    weight.grad = grad
+    if optimizer is None:
+        return
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"]):
+            if p is values:
+                group["params"][i] = weight
+    if old is not None:
+        del optimizer.state[values]
+        optimizer.state[weight] = state
+
+
+def release(compact: CompactState) -> None:
+    """End of training (the executor's removal): the weight holds its dense values again, so the
+    model is an ordinary model, and its gradient is dropped. The optimizer keeps the kept values
+    and their state, so no dense optimizer state is allocated at the end of a fit; its
+    ``state_dict()`` still gives the cpu format (`CompactLayers`)."""
+    with torch.no_grad():
+        compact.weight.data = compact.csr.to_dense(compact.values.detach())
+    compact.weight.grad = None
+
+
+def _moved(state: dict[str, Any], shape: torch.Size, move: Any) -> dict[str, Any]:
+    """``state`` with every tensor of ``shape`` passed through ``move``; the rest (``step``,
+    scalars) as they are."""
+    return {k: move(v) if torch.is_tensor(v) and v.shape == shape else v for k, v in state.items()}
+
+
+def update_due(algorithm: Any) -> bool:
+    """Whether ``algorithm`` will (or may) change its masks before the coming optimizer step:
+    the condition of `SparsityAlgorithm.update`, or any step when the user drives updates
+    (``autoupdate`` off). A layer trains dense through such a step."""
+    if algorithm is None or not algorithm.sparse_params:
+        return False
+    if not algorithm.autoupdate:
+        return True
+    return algorithm.last_update_step != algorithm.step and algorithm.is_update_step()
+
+
+class Layer(Protocol):
+    """What `CompactLayers` needs of a device layer (the executor's per-layer state)."""
+
+    compact: CompactState | None
+
+    def decompact(self) -> None: ...
+
+
+class CompactLayers:
+    """The compact layers of one executor and the hooks on their optimizers.
+
+    Per optimizer holding compact values (registered at its first compaction): its
+    ``state_dict()`` returns the dense moments (the cpu format), ``load_state_dict`` turns its
+    layers dense first, and after each ``step()`` ``settle(optimizer)`` runs (layers that
+    trained dense through a mask update go compact again at once).
 
     Args:
-        shape: `(out, in)`.
-        crow_indices, col_indices, values: the CSR arrays (see the module docstring).
-        bias: optional `[out]`.
+        optimizers: the optimizers a layer's weight may be found in (read when compacting).
+        settle: called after each step of a hooked optimizer.
     """
 
     def __init__(
         self,
-        shape: tuple[int, int],
-        crow_indices: Tensor,
-        col_indices: Tensor,
-        values: Tensor,
-        bias: Tensor | None = None,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]],
+        settle: Callable[[torch.optim.Optimizer], None],
     ) -> None:
-        super().__init__()
-        self.out_features, self.in_features = shape
-        self.register_buffer("crow_indices", crow_indices, persistent=False)
-        self.register_buffer("col_indices", col_indices, persistent=False)
-        self.register_buffer("values", values, persistent=False)
-        self.register_buffer("bias", bias, persistent=False)
-        self._runner: Callable[[Tensor], Tensor] | None = None
-        self._dtype = self.compute_dtype
+        self.optimizers = optimizers
+        self._settle = settle
+        self.layers: dict[int, Layer] = {}  # id(values) -> layer, while compact
+        # id(values) -> compact form released at the end of training (`release`): the
+        # optimizer still steps the values.
+        self.released: dict[int, CompactState] = {}
+        self._hooks: dict[int, list[RemovableHandle]] = {}
 
-    @classmethod
-    def from_bitmask(
-        cls,
-        shape: tuple[int, int],
-        bitmask: Tensor,
-        values: Tensor,
-        bias: Tensor | None = None,
-        *,
-        transposed: bool = False,
-        value_dtype: torch.dtype | None = None,
-        row_offsets: Tensor | None = None,
-    ) -> CompactLinear:
-        """The layer of a weight stored as compressed-tensors' ``sparse-bitmask`` layout.
+    def add(self, layer: Layer, optimizer: torch.optim.Optimizer) -> None:
+        """``layer`` went compact in ``optimizer``."""
+        assert layer.compact is not None
+        self.layers[id(layer.compact.values)] = layer
+        if id(optimizer) not in self._hooks:
+            self._hooks[id(optimizer)] = [
+                optimizer.register_state_dict_post_hook(self._dense_state_dict),
+                optimizer.register_load_state_dict_pre_hook(self._before_load),
+                optimizer.register_step_post_hook(self._after_step),
+            ]
 
-        Args:
-            shape: `(rows, cols)` of the stored weight: `(out, in)`, or `(in, out)` with
-                ``transposed`` (an HF ``Conv1D``).
-            bitmask: uint8 `[rows, ceil(cols / 8)]`, bit ``k`` of byte ``j`` = column
-                ``8 j + k`` (little bit order), 1 = kept.
-            values: `[nnz]` the kept values in row-major order of the stored weight.
-            bias: optional `[out]`.
-            transposed: the stored weight is ``W^T`` (`[in, out]`).
-            value_dtype: dtype the values are held in (default: theirs; float16 becomes
-                float32). They are copied: the layer never points into a file's pages.
-            row_offsets: optional int64 `[rows]`, where each stored row starts in ``values``;
-                checked against the bitmask.
+    def discard(self, compact: CompactState) -> None:
+        """A layer went dense."""
+        self.layers.pop(id(compact.values), None)
 
-        Raises:
-            ValueError: the bitmask's shape or dtype does not fit ``shape``, its count of set
-                bits differs from ``values.numel()``, or ``row_offsets`` disagrees with it (a
-                corrupt or mismatched file).
-        """
-        _check_bitmask(bitmask, shape)
-        dtype = _held_dtype(values.dtype, value_dtype)
-        values = values.reshape(-1).to(dtype, copy=True)
-        blocks = _bitmask_blocks(bitmask, shape[1])
-        return cls._build(shape, blocks, values, bias, transposed, row_offsets)
+    def of(self, optimizer: torch.optim.Optimizer) -> list[Layer]:
+        """The compact layers stepped by ``optimizer``."""
+        return [
+            layer
+            for layer in self.layers.values()
+            if layer.compact is not None and layer.compact.optimizer() is optimizer
+        ]
 
-    @classmethod
-    def from_dense(
-        cls,
-        weight: Tensor,
-        bias: Tensor | None = None,
-        *,
-        transposed: bool = False,
-        value_dtype: torch.dtype | None = None,
-        release: Callable[[Tensor], None] | None = None,
-    ) -> CompactLinear:
-        """The layer of a dense weight whose pruned entries are exactly zero: its nonzeros are
-        kept (``weight`` itself is not held).
+    def memory(self) -> dict[str, int]:
+        """Bytes the compact layers hold now, by kind (`CompactState.nbytes`)."""
+        total = {"values": 0, "grad": 0, "state": 0, "indices": 0}
+        for layer in self.layers.values():
+            if layer.compact is not None:
+                for key, value in layer.compact.nbytes().items():
+                    total[key] += value
+        return total
 
-        Args:
-            weight: `[out, in]`, or `[in, out]` with ``transposed`` (an HF ``Conv1D``).
-            bias, value_dtype: as in `from_bitmask`.
-            release: called with each row block of a contiguous ``[out, in]`` weight once a
-                pass has read it (two passes: count, then values and columns): a reader whose
-                weight is mapped from a file gives the block's pages back, so one block, not
-                the whole weight, is resident at a time.
-        """
-        w = weight.detach().t() if transposed else weight.detach()  # [out, in]
-        step = max(1, BLOCK // max(w.shape[1], 1))
-        starts = range(0, w.shape[0], step)
-        done = release if release is not None and w.is_contiguous() else (lambda block: None)
-        nnz = 0
-        for r in starts:
-            nnz += int(torch.count_nonzero(w[r : r + step]))
-            done(w[r : r + step])
-        values = torch.empty(nnz, dtype=_held_dtype(w.dtype, value_dtype))
+    def release(self) -> None:
+        """End of training: every compact layer's weight dense again (`release`); the optimizers
+        keep the values, their hooks stay for ``state_dict`` / ``load_state_dict``."""
+        for key, layer in list(self.layers.items()):
+            compact = layer.compact
+            if compact is not None:
+                release(compact)
+                self.released[key] = compact
+                layer.compact = None
+        self.layers = {}
 
-        def kept_blocks() -> Iterator[Tensor]:  # fills `values` as `_build` consumes the masks
-            filled = 0
-            for r in starts:
-                block = w[r : r + step]
-                kept = block != 0
-                found = block[kept]
-                values[filled : filled + found.numel()] = found[: max(nnz - filled, 0)]
-                filled += found.numel()
-                done(block)
-                yield kept
+    def _dense_state_dict(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Optimizer state-dict post-hook: each compact layer's state as the cpu path holds it
+        (weight-shaped, zeros at pruned positions), so checkpoints keep the cpu format."""
+        state = state_dict["state"]
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for index, param in enumerate(params):
+            compact = self._compact_of(param)
+            if compact is not None and index in state:
+                state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
+        return state_dict
 
-        return cls._build(tuple(w.shape), kept_blocks(), values, bias, False, None)
+    def _compact_of(self, param: Tensor) -> CompactState | None:
+        layer = self.layers.get(id(param))
+        compact = layer.compact if layer is not None else self.released.get(id(param))
+        return compact if compact is not None and compact.values is param else None
 
-    @classmethod
-    def _build(
-        cls,
-        shape: tuple[int, int],
-        blocks: Iterator[Tensor],
-        values: Tensor,
-        bias: Tensor | None,
-        transposed: bool,
-        row_offsets: Tensor | None,
-    ) -> CompactLinear:
-        """The layer from row blocks of the stored weight's bool mask and its kept values (held
-        as given)."""
-        rows, cols = shape
-        nnz, dtype = values.numel(), values.dtype
-        if max(rows * cols, rows + 1, cols + 1) > _INT32_MAX:
-            raise ValueError(f"a {rows}x{cols} weight is too large for int32 CSR indices")
-        out_features, in_features = (cols, rows) if transposed else (rows, cols)
-        narrow = not transposed and _narrow_columns(in_features, dtype)
-        crow, columns = _structure(blocks, rows, cols, nnz, narrow)
-        if row_offsets is not None and not torch.equal(
-            row_offsets.reshape(-1).long(), crow[:-1].long()
-        ):
-            raise ValueError(
-                f"row_offsets of the {rows}x{cols} weight disagree with its bitmask's row counts"
-            )
-        if transposed:
-            crow, columns, values = _transpose(crow, columns, values, cols)
-            if _narrow_columns(in_features, dtype):
-                columns = columns.to(torch.int16)
-        if bias is not None:
-            wide = torch.float64 if dtype == torch.float64 else torch.float32
-            bias = bias.detach().reshape(-1).to(wide, copy=True)
-            if bias.numel() != out_features:
-                raise ValueError(f"bias must be [{out_features}], got {bias.numel()} values")
-        return cls((out_features, in_features), crow, columns, values, bias)
+    def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+        """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu;
+        a released layer's weight takes its values' place again (its state is replaced by the
+        loaded one)."""
+        for layer in self.of(optimizer):
+            layer.decompact()
+        for key, compact in list(self.released.items()):
+            if compact.optimizer() is not optimizer:
+                continue
+            for group in optimizer.param_groups:
+                group["params"] = [compact.weight if p is compact.values else p
+                                   for p in group["params"]]  # fmt: skip
+            optimizer.state.pop(compact.values, None)
+            del self.released[key]
 
-    @property
-    def nnz(self) -> int:
-        """Number of kept weights."""
-        return self.values.numel()
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        """The dtype inputs and outputs have (float32 for bfloat16 storage)."""
-        return torch.float64 if self.values.dtype == torch.float64 else torch.float32
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the layer holds (indices, values, bias)."""
-        return sum(b.nbytes for b in self.buffers())
-
-    def forward(self, input: Tensor) -> Tensor:
-        """input `[..., in]` -> `[..., out]`, in `compute_dtype`, without autograd.
-
-        Raises:
-            ValueError: an input of another dtype or width, or one that requires a gradient
-                (the layer is inference-only: it has no dense weight to train).
-        """
-        runner = self._runner
-        if runner is None:
-            runner = self._runner = self._make_runner()
-        if input.dtype is not self._dtype or input.shape[-1:] != (self.in_features,):
-            raise ValueError(
-                f"CompactLinear({self.in_features} -> {self.out_features}) takes "
-                f"{self.compute_dtype} [..., {self.in_features}] inputs, got {input.dtype} "
-                f"{list(input.shape)}"
-            )
-        if input.requires_grad and torch.is_grad_enabled():
-            raise ValueError(
-                "CompactLinear is inference-only (it holds no dense weight to train); call it "
-                "under torch.no_grad() or train the model with its masks instead"
-            )
-        return runner(input)
-
-    def _make_runner(self) -> Callable[[Tensor], Tensor]:
-        """The layer's `csr_runner` (compiled path, "torch" without the native library); the
-        pointers it holds stay valid until `_apply` replaces the buffers."""
-        if self.values.device.type != "cpu":
-            raise ValueError(
-                f"CompactLinear runs on the CPU (the emulated device); its tensors are on "
-                f"{self.values.device}"
-            )
-        self._dtype = self.compute_dtype
-        path = "compiled" if native.unavailable_reason() is None else "torch"
-        if path == "torch" and self.col_indices.dtype == torch.int16:
-            raise ValueError("16-bit column indices need the compiled kernels")
-        shape = (self.out_features, self.in_features)
-        return csr_runner(path, self.crow_indices, self.col_indices, self.values, shape, self.bias)
-
-    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> CompactLinear:
-        # `.to()`, `.float()` ... may replace the buffers the runner points into.
-        self._runner = None
-        return super()._apply(fn, recurse)
-
-    def extra_repr(self) -> str:
-        numel = self.out_features * self.in_features
-        sparsity = 1 - self.nnz / numel if numel else 0.0
-        return (
-            f"in_features={self.in_features}, out_features={self.out_features}, nnz={self.nnz}, "
-            f"sparsity={sparsity:.4f}, values={self.values.dtype}, "
-            f"columns={self.col_indices.dtype}, bias={self.bias is not None}"
-        )
-
-
-def _held_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
-    dtype = wanted or (torch.float32 if dtype == torch.float16 else dtype)
-    if dtype not in _VALUE_DTYPES:
-        raise ValueError(f"values are held as float32, bfloat16 or float64, not {dtype}")
-    return dtype
-
-
-def _narrow_columns(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the one-token kernel's 16-bit column indices are the ones held."""
-    return (
-        in_features <= native.U16_COLUMNS
-        and dtype in (torch.float32, torch.bfloat16)
-        and native.unavailable_reason() is None
-    )
-
-
-def unpack_bitmask(bitmask: Tensor, shape: tuple[int, int]) -> Tensor:
-    """The bool mask `[rows, cols]` of a packed bitmask (see `CompactLinear.from_bitmask`), for a
-    weight held dense."""
-    _check_bitmask(bitmask, shape)
-    return torch.cat(list(_bitmask_blocks(bitmask, shape[1]))) if shape[0] else bitmask.bool()
-
-
-def _check_bitmask(bitmask: Tensor, shape: tuple[int, int]) -> None:
-    rows, cols = shape
-    if bitmask.dtype != torch.uint8 or tuple(bitmask.shape) != (rows, (cols + 7) // 8):
-        raise ValueError(
-            f"bitmask must be uint8 [{rows}, {(cols + 7) // 8}] for a {rows}x{cols} weight, "
-            f"got {bitmask.dtype} {list(bitmask.shape)}"
-        )
-
-
-def _bitmask_blocks(bitmask: Tensor, cols: int) -> Iterator[Tensor]:
-    """bool `[b, cols]` row blocks of a little-bit-order packed mask `[rows, ceil(cols / 8)]`."""
-    shifts = torch.arange(8, dtype=torch.uint8)
-    step = max(1, BLOCK // max(cols, 1))
-    for r in range(0, bitmask.shape[0], step):
-        packed = bitmask[r : r + step]
-        bits = packed.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)
-        yield bits.reshape(packed.shape[0], -1)[:, :cols].bool()
-
-
-def _structure(
-    blocks: Iterator[Tensor], rows: int, cols: int, nnz: int, narrow: bool
-) -> tuple[Tensor, Tensor]:
-    """int32 row pointers `[rows + 1]` and column indices `[nnz]` (int16 bit patterns if
-    ``narrow``) from bool row blocks, checking the blocks hold exactly ``nnz`` kept entries.
-
-    Per block only its flat kept positions (int64) are made: a row-wise ``sum`` of a bool block
-    would widen the whole block to int64 first (8 bytes per weight of the block)."""
-    crow = torch.zeros(rows + 1, dtype=torch.int32)
-    columns = torch.empty(nnz, dtype=torch.int16 if narrow else torch.int32)
-    row = filled = 0
-    for kept in blocks:
-        flat = kept.reshape(-1).nonzero().squeeze(1)  # row-major = CSR order
-        if filled + flat.numel() > nnz:
-            break
-        starts = torch.arange(1, kept.shape[0] + 1, dtype=torch.int64).mul_(cols)
-        crow[row + 1 : row + 1 + kept.shape[0]] = torch.searchsorted(flat, starts).add_(filled)
-        columns[filled : filled + flat.numel()] = flat.remainder_(cols)
-        row, filled = row + kept.shape[0], filled + flat.numel()
-    if row != rows or filled != nnz:
-        found = "more" if row != rows else str(filled)
-        raise ValueError(
-            f"the mask of a {rows}x{cols} weight has {found} kept entries but {nnz} values "
-            "were given; the bitmask and the values come from different weights"
-        )
-    return crow, columns
-
-
-def _transpose(
-    crow: Tensor, columns: Tensor, values: Tensor, cols: int
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The CSR of ``S^T`` from the CSR of ``S [rows, cols]`` (int32 columns): a stable sort of
-    the entries by column keeps rows ascending within each (transient int64 ``[nnz]`` arrays)."""
-    rows = crow.numel() - 1
-    counts = (crow[1:] - crow[:-1]).long()
-    entry_rows = torch.repeat_interleave(torch.arange(rows, dtype=torch.int32), counts)
-    order = torch.sort(columns, stable=True).indices
-    t_crow = torch.zeros(cols + 1, dtype=torch.int32)
-    t_crow[1:] = torch.bincount(columns.long(), minlength=cols).cumsum(0)
-    return t_crow, entry_rows[order], values[order]
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._settle(optimizer)

@@ -35,6 +35,9 @@ class CSRWeight:
             in a forward-only structure (``transpose=False``: inference needs no input gradient).
         t_col_indices: int32 `[nnz]`; the `W` row of each entry in transposed order, ascending
             within each column; None in a forward-only structure.
+        t_perm: int32 `[nnz]`; the CSR position of each entry in transposed order, so
+            ``values[t_perm]`` are `W^T`'s values (a compact layer holds values, not a dense
+            weight to gather from); None unless built with ``permutation=True``.
     """
 
     shape: tuple[int, int]
@@ -42,10 +45,17 @@ class CSRWeight:
     col_indices: Tensor
     t_crow_indices: Tensor | None
     t_col_indices: Tensor | None
+    t_perm: Tensor | None = None
 
     @classmethod
     def from_dense(
-        cls, weight: Tensor, mask: Tensor, *, compiled: bool | None = None, transpose: bool = True
+        cls,
+        weight: Tensor,
+        mask: Tensor,
+        *,
+        compiled: bool | None = None,
+        transpose: bool = True,
+        permutation: bool = False,
     ) -> CSRWeight:
         """Builds the CSR and transposed-CSR structure of `mask` for `weight`.
 
@@ -59,6 +69,8 @@ class CSRWeight:
                 whenever it is available for this device (None). Both give identical results.
             transpose: also build the transposed structure (what the input gradient walks);
                 False halves the indices held, for inference.
+            permutation: also keep ``t_perm`` (with ``transpose``): a compact layer's input
+                gradient reads `W^T`'s values from its value vector.
 
         Returns:
             The structure. Cost: one O(out * in) pass over the mask plus O(nnz) work.
@@ -82,10 +94,12 @@ class CSRWeight:
             raise ValueError(
                 f"a {out_features}x{in_features} weight is too large for int32 CSR indices"
             )
-        crow, cols, t_crow, t_col = _indices(mask.detach(), compiled)
+        crow, cols, t_crow, t_col, t_perm = _indices(mask.detach(), compiled)
         if not transpose:
-            t_crow = t_col = None
-        return cls((out_features, in_features), crow, cols, t_crow, t_col)
+            t_crow = t_col = t_perm = None
+        if not permutation:
+            t_perm = None
+        return cls((out_features, in_features), crow, cols, t_crow, t_col, t_perm)
 
     @property
     def nnz(self) -> int:
@@ -111,7 +125,10 @@ class CSRWeight:
     @property
     def nbytes(self) -> int:
         """Bytes this structure holds (its index tensors)."""
-        fields = (self.crow_indices, self.col_indices, self.t_crow_indices, self.t_col_indices)
+        fields = (
+            self.crow_indices, self.col_indices, self.t_crow_indices, self.t_col_indices,
+            self.t_perm,
+        )  # fmt: skip
         return sum(t.nbytes for t in fields if t is not None)
 
     def same_structure(self, other: CSRWeight) -> bool:
@@ -175,9 +192,29 @@ class CSRWeight:
 
     def to_dense(self, values: Tensor) -> Tensor:
         """Dense `[out, in]` tensor with `values` (`[nnz]`, CSR order) at kept positions."""
+        differentiable = values.requires_grad and torch.is_grad_enabled()
+        if _native_gather_ok(values) and values.is_contiguous() and not differentiable:
+            from lightning_sparse.wse import native
+
+            dense = values.new_empty(self.shape)
+            native.scatter(self.crow_indices, self.col_indices, values, dense)
+            return dense
         dense = values.new_zeros(self.shape[0] * self.shape[1])
         dense.index_put_((self.flat_indices(),), values)
         return dense.view(self.shape)
+
+    def transposed_values(self, values: Tensor) -> Tensor:
+        """``values`` (`[nnz]`, CSR order) in the transposed structure's order: `W^T`'s values.
+
+        Raises:
+            ValueError: if the structure was built without ``permutation=True``.
+        """
+        if self.t_perm is None:
+            raise ValueError(
+                "this CSRWeight has no transposed permutation; build it with "
+                "CSRWeight.from_dense(weight, mask, permutation=True)"
+            )
+        return values.index_select(0, self.t_perm)
 
     def to_torch_csr(self, weight: Tensor, transposed: bool = False) -> Tensor:
         """PyTorch sparse CSR tensor of `weight`'s kept values (of `W^T` with `transposed=True`),
@@ -222,16 +259,18 @@ def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
     return torch.repeat_interleave(torch.arange(num_rows, device=pointers.device), counts)
 
 
-def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """int32 `(crow, col, t_crow, t_col)` of a bool mask, natively or in PyTorch."""
+def _indices(
+    mask: Tensor, compiled: bool | None
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """int32 `(crow, col, t_crow, t_col, t_perm)` of a bool mask, natively or in PyTorch."""
     if compiled is not False and mask.device.type == "cpu":
         # Deferred import: the native library is built on first use.
         from lightning_sparse.wse import native
 
         reason = native.unavailable_reason()
         if reason is None:
-            crow, col, _, t_crow, t_col, _ = native.csr_indices(mask)
-            return crow, col, t_crow, t_col
+            crow, col, _, t_crow, t_col, t_perm = native.csr_indices(mask)
+            return crow, col, t_crow, t_col, t_perm
         if compiled:
             raise ValueError(f"compiled=True but the native CSR builder is unavailable: {reason}")
     elif compiled:
@@ -249,6 +288,7 @@ def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tenso
         cols,
         _row_pointers(cols, in_features),
         rows.to(torch.int32).index_select(0, t_perm),
+        t_perm,
     )
 
 

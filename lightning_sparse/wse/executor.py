@@ -26,7 +26,7 @@ zero at pruned positions, as masked dense training does.
   comparison, not a rebuild. A mask that appears later (an algorithm applied after installation,
   `register_masks` for inference) is picked up by the next forward.
 - a mask, and the dense path chosen for a layer whose live algorithm keeps pruned weights and
-  gradients at exactly 0 (`_LayerState.zeros_kept`): plain ``F.linear(x, weight, bias)``, no
+  gradients at exactly 0 (`LayerState.zeros_kept`): plain ``F.linear(x, weight, bias)``, no
   masked copies ("auto" times that as its dense candidate); the algorithm's gradient hook zeroes
   the weight gradient at pruned positions before any optimizer sees it.
 - a mask, and an algorithm owning this weight has ``dense_grad_needed`` set (the backward of a
@@ -45,10 +45,8 @@ from __future__ import annotations
 
 import copyreg
 import os
-import time
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,44 +57,57 @@ from torch import Tensor, nn
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.state_dict import restore_masks
-from lightning_sparse.wse.autotune import resolve_path
-from lightning_sparse.wse.csr import CSRWeight
-from lightning_sparse.wse.kernels import sparse_linear
-from lightning_sparse.wse.ops import inference_runner
+from lightning_sparse.wse.compact import CompactLayers
+from lightning_sparse.wse.counters import DenseCounter
+from lightning_sparse.wse.inference import FAST, MASK, without_fast
+from lightning_sparse.wse.layer import STATE, LayerState, warn_once
 from lightning_sparse.wse.policy import PATHS
-from lightning_sparse.wse.stats import LayerMemory, WSEStats
+from lightning_sparse.wse.stats import WSEStats
 
 __all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
 
-_MASK = "weight_mask"
 INFERENCE_DTYPE_ENV = "LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE"
 """Environment variable: the `WSEExecutor` ``inference_dtype`` default ("float32", "bfloat16")."""
 _INFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_CSR_DTYPES = (torch.float32, torch.float64)
-# Per-layer state lives beside the module, not in it, so deepcopy/pickle of a model never drags
-# the executor along (a copy runs as a plain nn.Linear) and removal leaves no attribute behind.
-_STATE: weakref.WeakKeyDictionary[nn.Module, _LayerState] = weakref.WeakKeyDictionary()
-_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class WSELinear(nn.Linear):
-    """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly."""
+    """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly.
+
+    In compact training (`compact.py`) its ``weight`` holds no values between steps; its state
+    dict still holds the dense weight, and loading one turns the layer dense first.
+    """
 
     def forward(self, input: Tensor) -> Tensor:
+        fast = self.__dict__.get(FAST)  # the decode fast path, without a registry lookup
+        if fast is not None and not torch.is_grad_enabled():
+            y = fast(self, input)
+            if y is not None:
+                return y
         y = _execute(self, input)
         return F.linear(input, self.weight, self.bias) if y is None else y
+
+    def __getstate__(self) -> dict[str, Any]:
+        return without_fast(self.__dict__)
+
+    def _save_to_state_dict(self, destination: Any, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        state = STATE.get(self)
+        if state is not None and state.compact is not None:
+            destination[prefix + "weight"] = state.compact.dense_weight()
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        state = STATE.get(self)
+        if state is not None and state.compact is not None:
+            state.decompact()
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
 
 def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
     """``module``'s output ``[..., out]`` on the device, or None where no executor runs it."""
-    state = _STATE.get(module)
+    state = STATE.get(module)
     if state is None:
         return None
-    fast = state.fast
-    if fast is not None and not torch.is_grad_enabled():
-        y = fast(module, x)
-        if y is not None:
-            return y
     return state.run(module, x)
 
 
@@ -111,12 +122,18 @@ def _wse_conv1d_class(base: type) -> type:
     if cls is None:
 
         def forward(self: nn.Module, input: Tensor) -> Tensor:
+            fast = self.__dict__.get(FAST)
+            if fast is not None and not torch.is_grad_enabled():
+                y = fast(self, input)
+                if y is not None:
+                    return y
             y = _execute(self, input)
             return base.forward(self, input) if y is None else y
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
             rv = super(cls, self).__reduce_ex__(protocol)  # (rebuild, (cls, ...), state, ...)
-            return (copyreg._reconstructor, (base, object, None), *rv[2:])
+            state = without_fast(rv[2]) if isinstance(rv[2], dict) else rv[2]
+            return (copyreg._reconstructor, (base, object, None), state, *rv[3:])
 
         namespace = {"forward": forward, "__reduce_ex__": __reduce_ex__}
         namespace.update(__module__=base.__module__, __qualname__=base.__qualname__)
@@ -142,6 +159,10 @@ class WSEExecutor:
             bytes for memory-bound decode, values rounded to bf16, products summed in fp32;
             training never changes). None follows ``LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE``
             (default "float32").
+        optimizers: the optimizers training the model, read when a layer goes compact; None
+            (default) trains every layer in dense form. With them, a masked `nn.Linear` whose
+            live algorithm keeps its pruned entries at 0 and whose weight one elementwise
+            optimizer steps trains its kept values only (`compact.py`).
     """
 
     def __init__(
@@ -150,6 +171,7 @@ class WSEExecutor:
         stats: WSEStats,
         path: str | None,
         inference_dtype: str | None = None,
+        optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
     ) -> None:
         if path is not None and path != "auto" and path not in PATHS:
             raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
@@ -168,18 +190,46 @@ class WSEExecutor:
         self._layers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # Masked Conv2d modules running dense: their stats hooks, by module.
         self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+        self.compact = None if optimizers is None else CompactLayers(optimizers, self.settle)
 
     @property
     def layers(self) -> list[nn.Module]:
         """The `WSELinear` and Conv1D modules this executor runs."""
         return [m for m in self._layers if _owner(m) is self]
 
+    def settle(self, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Layers that trained dense through a mask update go compact again (after an optimizer
+        step: nothing of the weight's size is held between steps)."""
+        if self.compact is None:
+            return
+        for module in self.layers:
+            state = STATE[module]
+            mask = module._buffers.get(MASK)
+            if state.compact is None and mask is not None:
+                state.try_compact(module, mask)
+
+    def dense_grads(self) -> dict[str, Tensor]:
+        """``{name: dense gradient}`` of every compact layer's weight that has a gradient, as
+        the cpu path holds it (``[out, in]``, zeros at pruned positions; a new tensor); names
+        as ``root.named_parameters()`` gives them. For inspecting a compact run."""
+        root = self._root()
+        out: dict[str, Tensor] = {}
+        for name, module in [] if root is None else root.named_modules():
+            state = STATE.get(module)
+            compact = None if state is None else state.compact
+            if compact is not None and compact.values.grad is not None:
+                key = f"{name}.weight" if name else "weight"
+                out[key] = compact.csr.to_dense(compact.values.grad)
+        return out
+
     def remove(self) -> None:
-        """Give every layer back its `nn.Linear` / ``Conv1D`` class and drop the cached CSR
-        structures."""
+        """Give every layer back its `nn.Linear` / ``Conv1D`` class (compact layers' weights
+        dense again, `compact.release`) and drop the cached CSR structures."""
+        if self.compact is not None:
+            self.compact.release()
         for module in list(self._layers):
             if _owner(module) is self:
-                del _STATE[module]
+                STATE.pop(module).fast = None
                 if _on_device(module):
                     module.__class__ = type(module).__base__
         self._layers = weakref.WeakSet()
@@ -210,7 +260,7 @@ class WSEExecutor:
             return
         for name, module in root.named_modules():
             if _on_device(module) and _owner(module) is self:
-                masks = [k for k in module._buffers if k.endswith("_mask") and k != _MASK]
+                masks = [k for k in module._buffers if k.endswith("_mask") and k != MASK]
                 masks = [k for k in masks if k[: -len("_mask")] != "bias"]
             else:
                 params = set(module._parameters)
@@ -219,8 +269,8 @@ class WSEExecutor:
                 continue
             counted = isinstance(module, nn.Conv2d)
             if counted and module not in self._dense_hooks:
-                self._dense_hooks[module] = module.register_forward_hook(_DenseCounter(self))
-            _warn_once(
+                self._dense_hooks[module] = module.register_forward_hook(DenseCounter(self))
+            warn_once(
                 module,
                 f"lightning_sparse.wse: {name or type(module).__name__!r} "
                 f"({type(module).__name__}) has masks {masks} but the WSE runs only "
@@ -233,344 +283,13 @@ class WSEExecutor:
         return f"WSEExecutor(layers={len(self.layers)}, path={self.path!r})"
 
 
-class _LayerState:
-    """Cached CSR structure of one layer and the key it was built for.
-
-    The caches are keyed on the module's own ``weight`` parameter and ``weight_mask`` buffer
-    (objects and ``_version``); the kernels see `out_in` views, ``[out, in]``.
-    """
-
-    def __init__(self, executor: WSEExecutor, name: str, in_out: bool = False) -> None:
-        self.executor = executor
-        self.name = name
-        self.in_out = in_out  # weight stored [in, out] (HF Conv1D)
-        self.csr: CSRWeight | None = None
-        self.mask: Tensor | None = None  # the tensor the cache was built from
-        self.version = -1
-        self.owners: list[weakref.ref[SparsityAlgorithm]] = []
-        # (algorithm, sparse-parameter name) of each owner of this weight, and the training path
-        # per token count where an owner keeps pruned entries at 0 (`zeros_kept`).
-        self.owned_as: list[tuple[weakref.ref[SparsityAlgorithm], str]] = []
-        self.train_paths: dict[int, str] = {}
-        # Inference: the kept values, gathered once per weight version, and a runner per token
-        # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
-        self.values: Tensor | None = None
-        self.values_key: tuple[CSRWeight, int, Tensor | None] | None = None
-        self.runners: dict[int, Callable[[Tensor], Tensor]] = {}
-        self.fast: _FastInference | None = None
-
-    def out_in(self, t: Tensor) -> Tensor:
-        """``t`` (weight or mask) as ``[out, in]``: a transposed view for a Conv1D."""
-        return t.t() if self.in_out else t
-
-    def run(self, module: nn.Module, x: Tensor) -> Tensor:
-        """The layer's output ``[..., out]`` for an input ``x [..., in]``."""
-        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
-        mask = module._buffers.get(_MASK)  # the buffer itself, the cache key
-        if mask is None:
-            if self.csr is not None:  # densified: forget the structure
-                self.csr, self.mask = None, None
-                self.executor.stats.forget_layer(self.name)
-            y = F.linear(x, weight, bias)
-            self._record(x, y, weight, weight.numel(), dense_grad=False)
-            return y
-        if x.device != weight.device:
-            raise ValueError(
-                f"{self.name!r}: input on {x.device} but the layer's weight is on "
-                f"{weight.device}; move the input (or the model) to one device"
-            )
-        if not _csr_supported(x, weight):
-            _warn_once(
-                module,
-                f"lightning_sparse.wse: {self.name!r} gets a {x.dtype} input "
-                f"(weight {weight.dtype}, autocast "
-                f"{torch.is_autocast_enabled(x.device.type)}); the CSR kernels run float32/"
-                "float64 without autocast, so this layer runs dense (same numbers as masked "
-                "dense training).",
-            )
-            return F.linear(x, weight, bias)
-        inference = not torch.is_grad_enabled() or not (
-            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
-        )
-        csr = self.structure(module, mask, transpose=not inference)
-        if inference:
-            y = self._infer(x, module, csr)
-            self._record(x, y, weight, csr.nnz, dense_grad=False)
-            return y
-        if self.values is not None:  # training gathers per call; free the inference cache
-            self.values, self.values_key, self.runners, self.fast = None, None, {}, None
-        dense_grad = (
-            torch.is_grad_enabled()
-            and weight.requires_grad
-            and any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
-        )
-        path = self.executor.path
-        if weight.requires_grad and self.zeros_kept(module, mask):
-            # The algorithm keeps pruned weights and gradients at exactly 0, so "dense" is plain
-            # F.linear: same values as the masked copy, no masking passes (its gradient hook
-            # zeroes the weight gradient at pruned positions before any optimizer sees it).
-            tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
-            chosen = self.train_paths.get(tokens)
-            if chosen is None:
-                chosen = resolve_path(x, weight, csr, path, requires_grad=True, zeros_kept=True)
-                self.train_paths[tokens] = chosen
-            if chosen == "dense":
-                y = F.linear(x, weight, bias)
-                self._record(x, y, weight, weight.numel(), dense_grad)
-                return y
-            path = chosen
-        if dense_grad:
-            y = sparse_linear(x, weight.detach(), csr, bias, path=path)
-            y = _DenseWeightGrad.apply(y, x, weight)
-        else:
-            y = sparse_linear(x, weight, csr, bias, path=path)
-        self._record(x, y, weight, csr.nnz, dense_grad)
-        return y
-
-    def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:
-        """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
-        it owns the weight under this very mask and its per-step gradient hook is on this very
-        parameter (`core.per_step.StepHooks`). Masks registered without an algorithm
-        (`restore_masks`, a copied model) do not qualify: those layers keep masking."""
-        weight = module.weight
-        for ref, name in self.owned_as:
-            algorithm = ref()
-            if algorithm is None:
-                continue
-            sp = algorithm.sparse_params.get(name)
-            hooks = getattr(algorithm, "hooks", None)
-            guarded = hooks is not None and hooks.guards(name, weight)
-            if sp is not None and sp.mask is mask and guarded:
-                return True
-        return False
-
-    def _infer(self, x: Tensor, module: nn.Module, csr: CSRWeight) -> Tensor:
-        """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights):
-        ``x [..., in] -> [..., out]``.
-
-        The kept values are gathered once and reused until the weight is written (its version
-        counter moves: an optimizer step between validation runs, ``load_state_dict``) or the
-        structure or bias changes; per token count, the path "auto" picks is resolved once.
-        """
-        in_features = csr.shape[1]
-        if x.dim() == 0 or x.shape[-1] != in_features:
-            raise ValueError(f"x must be [..., {in_features}], got shape {tuple(x.shape)}")
-        param, buffer, bias = module.weight, module._buffers[_MASK], module.bias
-        weight, mask = self.out_in(param), self.out_in(buffer)  # [out, in] views
-        if weight.is_inference():  # no version counter to key a cache on
-            path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
-            values = self._stored(csr.gather_values(weight.detach()))
-            return inference_runner(path, values, csr, weight, mask, bias)(x)
-        key = self.values_key
-        if key is None or key[0] is not csr or key[1] != weight._version or key[2] is not bias:
-            self.values = self._stored(csr.gather_values(weight.detach()))
-            self.values_key = (csr, weight._version, bias)
-            self.runners = {}
-            self.fast = None
-            if not mask.is_inference() and weight.is_cpu:
-                self.fast = _FastInference(self, param, buffer, bias, x.dtype, csr)
-        tokens = x.numel() // in_features if in_features else 0
-        runner = self.runners.get(tokens)
-        if runner is None:
-            path = resolve_path(x, weight, csr, self.executor.path, requires_grad=False)
-            assert self.values is not None
-            runner = inference_runner(path, self.values, csr, weight, mask, bias)
-            self.runners[tokens] = runner
-        return runner(x)
-
-    def _stored(self, values: Tensor) -> Tensor:
-        """The kept values as inference holds them (`WSEExecutor` ``inference_dtype``)."""
-        wanted = self.executor.inference_dtype
-        if wanted == torch.bfloat16 and values.dtype == torch.float32:
-            return values.to(torch.bfloat16)
-        return values
-
-    def structure(self, module: nn.Module, mask: Tensor, transpose: bool = True) -> CSRWeight:
-        """The `CSRWeight` (``[out, in]``) of ``mask`` (the module's buffer), rebuilt only when
-        the mask may have changed (or when training needs the transposed structure a
-        forward-only one lacks)."""
-        csr = self.csr
-        # A structure built under inference_mode holds inference tensors, which autograd may not
-        # save for backward: rebuild it for training. Inference builds forward-only structures.
-        usable = (
-            csr is not None
-            and (not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled())
-            and (csr.has_transpose or not transpose)
-        )
-        version = _version_of(mask)
-        if usable and mask is self.mask and version == self.version and version >= 0:
-            return csr
-        start = time.perf_counter()
-        weight = self.out_in(module.weight.detach())
-        built = CSRWeight.from_dense(weight, self.out_in(mask), transpose=transpose)
-        seconds = time.perf_counter() - start
-        if usable and built.same_structure(csr):
-            # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
-            # structure object, so the caches keyed on it stay valid.
-            self.mask, self.version = mask, version
-            self._find_owners(module)
-            return csr
-        csr = built
-        self.csr, self.mask, self.version = csr, mask, version
-        self._find_owners(module)
-        self.train_paths = {}
-        out_features, in_features = csr.shape
-        memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
-        self.executor.stats.add_rebuild(self.name, seconds, memory)
-        self.executor.check_fallbacks()
-        return csr
-
-    def _find_owners(self, module: nn.Module) -> None:
-        """The algorithms owning this weight, read at each (re)build of the structure."""
-        owners = self.executor.owners_of(module)
-        self.owners = [weakref.ref(a) for a in owners]
-        self.owned_as = [
-            (weakref.ref(a), name)
-            for a in owners
-            for name, sp in a.sparse_params.items()
-            if sp.module is module and sp.param_name == "weight"
-        ]
-
-    def _record(self, x: Tensor, y: Tensor, weight: Tensor, nnz: int, dense_grad: bool) -> None:
-        out_features, in_features = weight.shape
-        tokens = x.numel() // in_features if in_features else 0
-        numel = out_features * in_features
-        stats = self.executor.stats
-        stats.add_flops("forward", 2 * tokens * nnz, 2 * tokens * numel)
-        if y.requires_grad:
-            y.register_hook(
-                _BackwardCounter(
-                    stats, tokens, nnz, numel, x.requires_grad, weight.requires_grad, dense_grad
-                )
-            )
-
-
-class _FastInference:
-    """A layer's forward without autograd when nothing changed since the last call: the same
-    mask buffer (object and version), weight parameter (object and version; ``[out, in]`` or a
-    Conv1D's ``[in, out]``), bias and input dtype, a CPU input,
-    no CPU autocast, a token count already seen. Returns None otherwise, and `_LayerState.run`
-    takes over (and rebuilds what changed). Records forward FLOPs like `_LayerState._record`.
-    Made only for CPU weights; the checks read the module's dicts directly (cheaper than
-    ``nn.Module.__getattr__``), since a one-token call of a small layer costs a few microseconds.
-    """
-
-    __slots__ = ("state", "stats", "weight", "weight_version", "mask", "mask_version", "bias",
-                 "dtype", "in_features", "nnz", "numel")  # fmt: skip
-
-    def __init__(
-        self, state: _LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
-        dtype: torch.dtype, csr: CSRWeight,
-    ) -> None:  # fmt: skip
-        self.state, self.stats = state, state.executor.stats
-        self.weight, self.mask, self.bias, self.dtype = weight, mask, bias, dtype
-        self.weight_version, self.mask_version = weight._version, mask._version
-        self.in_features = csr.shape[1]
-        self.nnz, self.numel = csr.nnz, weight.numel()
-
-    def __call__(self, module: nn.Module, x: Tensor) -> Tensor | None:
-        params = module._parameters
-        weight, mask = params["weight"], module._buffers.get(_MASK)
-        if (
-            weight is not self.weight
-            or mask is not self.mask
-            or params.get("bias") is not self.bias
-            or weight._version != self.weight_version
-            or mask._version != self.mask_version
-            or x.dtype is not self.dtype
-            or not x.is_cpu
-            or torch.is_autocast_enabled("cpu")
-        ):
-            return None
-        shape = x.shape
-        if not shape or shape[-1] != self.in_features:
-            return None
-        tokens = x.numel() // self.in_features
-        runner = self.state.runners.get(tokens)
-        if runner is None:
-            return None
-        y = runner(x)
-        self.stats.add_flops("forward", 2 * tokens * self.nnz, 2 * tokens * self.numel)
-        return y
-
-
-class _BackwardCounter:
-    """Tensor hook on a layer's output: counts the backward matmuls when its gradient arrives."""
-
-    def __init__(
-        self,
-        stats: WSEStats,
-        tokens: int,
-        nnz: int,
-        numel: int,
-        input_grad: bool,
-        weight_grad: bool,
-        dense_grad: bool,
-    ) -> None:
-        self.args = (stats, tokens, nnz, numel, input_grad, weight_grad, dense_grad)
-
-    def __call__(self, grad: Tensor) -> None:
-        stats, tokens, nnz, numel, input_grad, weight_grad, dense_grad = self.args
-        if input_grad:
-            stats.add_flops("input_grad", 2 * tokens * nnz, 2 * tokens * numel)
-        if weight_grad:
-            if dense_grad:
-                stats.add_flops("dense_weight_grad", 2 * tokens * numel, 2 * tokens * numel)
-            else:
-                stats.add_flops("weight_grad", 2 * tokens * nnz, 2 * tokens * numel)
-
-
-class _DenseCounter:
-    """Forward hook of a masked ``Conv2d`` running dense: records its matmuls in the statistics
-    with executed = dense equivalent (``2 * positions * weight numel`` each; a position is one
-    output pixel of one example)."""
-
-    def __init__(self, executor: WSEExecutor) -> None:
-        self.executor = weakref.ref(executor)
-
-    def __call__(self, module: nn.Module, inputs: tuple[Any, ...], y: Any) -> None:
-        executor = self.executor()
-        if executor is None or not torch.is_tensor(y):
-            return
-        weight = module.weight
-        positions = y.numel() // y.shape[-3] if y.ndim >= 3 else 0
-        numel = weight.numel()
-        x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None
-        stats = executor.stats
-        stats.add_flops("forward", 2 * positions * numel, 2 * positions * numel)
-        if y.requires_grad:
-            input_grad = x is not None and x.requires_grad
-            y.register_hook(
-                _BackwardCounter(
-                    stats, positions, numel, numel, input_grad, weight.requires_grad, False
-                )
-            )
-
-
-class _DenseWeightGrad(torch.autograd.Function):
-    """Identity on a layer's output ``y`` whose backward also gives ``weight`` the dense gradient
-    ``grad_Y^T X`` (what `nn.Linear` computes), while ``y`` itself came from the sparse kernels."""
-
-    @staticmethod
-    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(x)
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
-        (x,) = ctx.saved_tensors
-        grad_w = None
-        if ctx.needs_input_grad[2]:
-            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        return grad_y, None, grad_w
-
-
 def install_executor(
     model: nn.Module,
     *,
     stats: WSEStats | None = None,
     path: str | None = None,
     inference_dtype: str | None = None,
+    optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
 ) -> WSEExecutor:
     """Run ``model``'s masked `nn.Linear` and HF ``Conv1D`` layers in CSR from now on (see the
     module docstring).
@@ -583,6 +302,8 @@ def install_executor(
         path: `sparse_linear` path, see `WSEExecutor`.
         inference_dtype: "float32" or "bfloat16" storage of kept values in inference, see
             `WSEExecutor`.
+        optimizers: the training optimizers, for compact training (see `WSEExecutor`); None
+            trains every layer in dense form.
 
     Returns:
         The executor; ``executor.remove()`` undoes the installation.
@@ -590,14 +311,19 @@ def install_executor(
     Raises:
         ValueError: on an unknown ``path`` or ``inference_dtype``.
     """
-    executor = WSEExecutor(model, stats if stats is not None else WSEStats(), path, inference_dtype)
+    executor = WSEExecutor(
+        model, stats if stats is not None else WSEStats(), path, inference_dtype, optimizers
+    )
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear
         elif is_hf_conv1d(module) and not _on_device(module):
             module.__class__ = _wse_conv1d_class(type(module))
         if _on_device(module):
-            _STATE[module] = _LayerState(executor, name, in_out=is_hf_conv1d(module))
+            old = STATE.get(module)
+            if old is not None:  # taken over from another executor
+                old.fast = None
+            STATE[module] = LayerState(executor, name, module, in_out=is_hf_conv1d(module))
             executor._layers.add(module)
     executor.check_fallbacks()
     return executor
@@ -632,25 +358,5 @@ register_masks = restore_masks
 
 
 def _owner(module: nn.Module) -> WSEExecutor | None:
-    state = _STATE.get(module)
+    state = STATE.get(module)
     return None if state is None else state.executor
-
-
-def _version_of(mask: Tensor) -> int:
-    # Inference tensors have no version counter: -1 makes every call compare the content.
-    return -1 if mask.is_inference() else mask._version
-
-
-def _csr_supported(x: Tensor, weight: Tensor) -> bool:
-    return (
-        x.dtype == weight.dtype
-        and x.dtype in _CSR_DTYPES
-        and not torch.is_autocast_enabled(x.device.type)
-    )
-
-
-def _warn_once(module: nn.Module, message: str) -> None:
-    if module in _WARNED:
-        return
-    _WARNED.add(module)
-    warnings.warn(message, UserWarning, stacklevel=3)

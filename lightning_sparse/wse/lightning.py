@@ -47,12 +47,14 @@ import weakref
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _DEVICE
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sparse.wse.autotune import PATH_ENV
@@ -97,9 +99,14 @@ class WSEAccelerator(CPUAccelerator):
             ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
         log_stats: log `WSEStats` figures (``wse/...``) through the trainer's loggers; when
             False, `get_device_stats` returns them instead (for ``DeviceStatsMonitor``).
+        compact: in ``fit``, masked layers train their kept values only (`compact.py`: the
+            optimizer steps the values, no dense weight, gradient or moments are held between
+            steps; update steps run dense). False keeps the dense training state.
     """
 
-    def __init__(self, kernel_path: str | None = None, log_stats: bool = True) -> None:
+    def __init__(
+        self, kernel_path: str | None = None, log_stats: bool = True, compact: bool = True
+    ) -> None:
         super().__init__()
         if kernel_path is not None and kernel_path != "auto" and kernel_path not in PATHS:
             raise ValueError(
@@ -107,6 +114,7 @@ class WSEAccelerator(CPUAccelerator):
             )
         self.kernel_path = kernel_path
         self.log_stats = log_stats
+        self.compact = compact
         self.stats = WSEStats()
         self.executor: WSEExecutor | None = None
         self._monitor: WSEStatsMonitor | None = None
@@ -133,15 +141,27 @@ class WSEAccelerator(CPUAccelerator):
     def setup(self, trainer: pl.Trainer) -> None:
         """Check the configuration, install the executor and the statistics callback."""
         self.check_trainer(trainer)
-        self.executor = install_executor(
-            trainer.lightning_module, stats=self.stats, path=self.kernel_path
-        )
         self._trainer = weakref.ref(trainer)
+        self.executor = install_executor(
+            trainer.lightning_module,
+            stats=self.stats,
+            path=self.kernel_path,
+            optimizers=self._optimizers if self._compacts(trainer) else None,
+        )
         if not any(isinstance(c, WSEStatsMonitor) for c in trainer.callbacks):
             self._monitor = WSEStatsMonitor(self.stats, log=self.log_stats)
             # First, so DeviceStatsMonitor's on_train_batch_end already sees the closed step.
             trainer.callbacks.insert(0, self._monitor)
         rank_zero_info(self.describe())
+
+    def _compacts(self, trainer: pl.Trainer) -> bool:
+        """Compact training applies to a fit on one system (a cluster keeps dense state: DDP
+        reduces the weights' gradients)."""
+        return self.compact and trainer.state.fn == TrainerFn.FITTING and trainer.world_size == 1
+
+    def _optimizers(self) -> list[torch.optim.Optimizer]:
+        trainer = self._trainer() if self._trainer is not None else None
+        return list(trainer.optimizers) if trainer is not None else []
 
     def describe(self) -> str:
         """One line: how many layers run masked in CSR, and with which kernels."""

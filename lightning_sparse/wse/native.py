@@ -28,6 +28,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_sparse.wse.policy import TUNED
+from lightning_sparse.wse.threads import kernel_threads
+
 __all__ = [
     "CACHE_ENV",
     "COMPILE_ENV",
@@ -36,7 +39,9 @@ __all__ = [
     "gather",
     "library",
     "one_token_layout",
+    "scatter",
     "sddmm",
+    "set_tile_budgets",
     "spmm",
     "unavailable_reason",
 ]
@@ -61,12 +66,23 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building the native kernels failed: {error}"
     _declare(lib)
+    set_tile_budgets(
+        int(TUNED["spmm_tile_bytes"].value), int(TUNED["sddmm_tile_bytes"].value), lib
+    )
     return lib, None
+
+
+def set_tile_budgets(spmm: int, sddmm: int, lib: ctypes.CDLL | None = None) -> None:
+    """Bytes of L2 the matmul (SpMM) and SDDMM kernels size their transposed token tiles for
+    (the defaults are `policy.TUNED`'s ``spmm_tile_bytes`` / ``sddmm_tile_bytes``)."""
+    (lib or _loaded()).ls_set_tile_budgets(spmm, sddmm)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
     """Argument and result types of every exported function."""
     pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.ls_set_tile_budgets.argtypes = [size, size]
+    lib.ls_set_tile_budgets.restype = None
     lib.ls_csr_count.argtypes = [pointer, size, size, pointer, integer]
     lib.ls_csr_count.restype = size
     lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [integer]
@@ -75,10 +91,11 @@ def _declare(lib: ctypes.CDLL) -> None:
         spmm_ = getattr(lib, f"ls_spmm_{suffix}")
         spmm_.argtypes = [pointer] * 5 + [size] * 3 + [pointer, integer]
         spmm_.restype = None
-        sddmm_ = getattr(lib, f"ls_sddmm_{suffix}")
-        sddmm_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
-        sddmm_.restype = integer
-        for name in ("ls_gather", "ls_gather_t"):
+        for name in ("ls_sddmm", "ls_sddmm_values"):
+            sddmm_ = getattr(lib, f"{name}_{suffix}")
+            sddmm_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
+            sddmm_.restype = integer
+        for name in ("ls_gather", "ls_gather_t", "ls_scatter"):
             function = getattr(lib, f"{name}_{suffix}")
             function.argtypes = [pointer] * 3 + [size] * 2 + [pointer, integer]
             function.restype = None
@@ -168,7 +185,7 @@ def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, T
     lib = _loaded()
     mask = mask.contiguous()
     rows, cols = mask.shape
-    threads = torch.get_num_threads()
+    threads = kernel_threads()
     crow = torch.empty(rows + 1, dtype=torch.int32)
     nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
     col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
@@ -191,7 +208,16 @@ def gather(
     rows, cols = weight.shape
     function(name, weight.dtype)(
         pointers.data_ptr(), indices.data_ptr(), weight.data_ptr(), rows, cols, out.data_ptr(),
-        torch.get_num_threads(),
+        kernel_threads(),
+    )  # fmt: skip
+
+
+def scatter(crow: Tensor, col: Tensor, values: Tensor, out: Tensor) -> None:
+    """``out [M, K]`` = the kept ``values [nnz]`` (CSR order) at their positions, zero elsewhere."""
+    rows, cols = out.shape
+    function("ls_scatter", values.dtype)(
+        crow.data_ptr(), col.data_ptr(), values.data_ptr(), rows, cols, out.data_ptr(),
+        kernel_threads(),
     )  # fmt: skip
 
 
@@ -202,15 +228,17 @@ def spmm(
     function("ls_spmm", x2.dtype)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
         None if bias is None else bias.data_ptr(),
-        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), torch.get_num_threads(),
+        x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip
 
 
 def sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
-    """``out [M, K] = (grad_y2^T @ x2)`` at the kept positions of (crow, col), zero elsewhere."""
-    status = function("ls_sddmm", x2.dtype)(
+    """``(grad_y2 [N, M]^T @ x2 [N, K])`` at the kept positions of (crow, col): ``out`` is dense
+    ``[M, K]`` (zero elsewhere), or the kept values ``[nnz]`` in CSR order."""
+    name = "ls_sddmm" if out.dim() == 2 else "ls_sddmm_values"
+    status = function(name, x2.dtype)(
         crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
-        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), torch.get_num_threads(),
+        x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native SDDMM kernel could not allocate its work buffers")

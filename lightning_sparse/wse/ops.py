@@ -19,6 +19,7 @@ keeps while nothing changes. Which path runs is `autotune.resolve_path`'s decisi
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -32,12 +33,18 @@ from torch.autograd.function import once_differentiable
 from lightning_sparse.core.masking import zero_pruned_
 from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.threads import kernel_threads
 
-__all__ = ["csr_runner", "inference_runner", "run_path"]
+__all__ = ["DenseWeightGrad", "csr_runner", "inference_runner", "run_compact_path", "run_path"]
 
 
 def inference_runner(
-    path: str, values: Tensor, csr: CSRWeight, weight: Tensor, mask: Tensor, bias: Tensor | None
+    path: str,
+    values: Tensor,
+    csr: CSRWeight,
+    weight: Tensor | None,
+    mask: Tensor | None,
+    bias: Tensor | None,
 ) -> Callable[[Tensor], Tensor]:
     """A function ``x [..., in] -> [..., out]`` running `sparse_linear`'s forward without autograd
     on fixed ``values`` (the executor's decode fast path: per call only the output allocation and
@@ -48,7 +55,8 @@ def inference_runner(
         values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
             float32 values: every path computes in float32 with the rounded values; the
             compiled one-token kernel reads the bf16 values directly); csr: their structure.
-        weight, mask: the live dense weight and its bool mask (used by the "dense" path).
+        weight, mask: the live dense weight and its bool mask (used by the "dense" path); None
+            for a compact layer, whose "dense" path builds the weight from ``values``.
         bias: optional `[out]`.
     """
     out_features, in_features = csr.shape
@@ -56,15 +64,16 @@ def inference_runner(
         # bf16 storage (`inference_dtype`): the same rounded values on every path.
         values = values.float()
         if path == "dense":
-            dense = csr.to_dense(values)
-            return lambda x: F.linear(x, dense, bias)
+            return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
+    if path == "dense" and (weight is None or mask is None):  # a compact layer: no weight
+        return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
     if path == "dense":
         # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
         # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
         masked = zero_pruned_(weight.detach().clone(), mask)
         dense = weight.detach() if torch.equal(masked, weight) else masked
         del masked
-        return lambda x: F.linear(x, dense, bias)
+        return functools.partial(F.linear, weight=dense, bias=bias)  # no Python frame per call
     bias = None if bias is None else bias.detach().contiguous()
     run = csr_runner(path, csr.crow_indices, csr.col_indices, values, csr.shape, bias)
     run.keep.append(csr)  # type: ignore[attr-defined]
@@ -81,7 +90,7 @@ def csr_runner(
 ) -> Callable[[Tensor], Tensor]:
     """A function ``x [..., in] -> [..., out]`` computing ``x W^T + b`` for ``W [out, in]`` held
     in CSR, without autograd: the forward `inference_runner` runs, on raw CSR arrays (what a
-    layer held only in CSR, `compact.CompactLinear`, has).
+    layer held only in CSR, `csr_linear.CSRLinear`, has).
 
     Args:
         path: "compiled" (the native kernels; one token: the GEMV kernel) or "torch".
@@ -138,7 +147,7 @@ def csr_runner(
         out = x2.new_empty(tokens, out_features)
         if tokens == 1 and spmv is not None:
             spmv(*one_token[0], x2.data_ptr(), bias_pointer, out_features, out.data_ptr(),
-                 torch.get_num_threads())  # fmt: skip
+                 kernel_threads())  # fmt: skip
         else:
             ptrs = pointers
             if ptrs is None:  # 16-bit columns or bf16 values: widened per multi-token call
@@ -146,7 +155,7 @@ def csr_runner(
                 wide = stored.float() if stored.dtype == torch.bfloat16 else stored
                 ptrs = (crow.data_ptr(), cols.data_ptr(), wide.data_ptr())
             spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
-                 out.data_ptr(), torch.get_num_threads())  # fmt: skip
+                 out.data_ptr(), kernel_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
     run.keep = keep  # type: ignore[attr-defined]
@@ -249,11 +258,99 @@ def _dense_mask(csr: CSRWeight) -> Tensor:
 
 
 def run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight * mask, bias)`` for the mask of ``csr`` on ``path``, differentiable
+    in ``x``, ``weight`` (dense gradient, zero where pruned) and ``bias``."""
     if path == "dense":
         return F.linear(x, _MaskedWeight.apply(weight, _dense_mask(csr)), bias)
     out_features, in_features = csr.shape
     y2 = _SparseLinearFunction.apply(x.reshape(-1, in_features), weight, bias, csr, _BACKENDS[path])
     return y2.reshape(*x.shape[:-1], out_features)
+
+
+# --- Compact layers: the weight is its kept values ----------------------------------------------
+class _CSRLinearFunction(torch.autograd.Function):
+    """Y = X W^T + b for W held as its kept values ``[nnz]`` (CSR order of ``csr``, which must
+    carry ``t_perm``); the value gradient is ``[nnz]``: no dense weight or gradient exists."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x2: Tensor, values: Tensor, bias: Tensor | None, csr: CSRWeight, backend: Any
+    ) -> Tensor:
+        x2 = x2.contiguous()
+        bias = None if bias is None else bias.detach().contiguous()
+        y2 = backend.matmul(
+            csr.crow_indices, csr.col_indices, values.detach(), x2, csr.shape[0], bias
+        )
+        # The values themselves are saved: writing them in place before backward (an optimizer
+        # step) is autograd's version error, as for nn.Linear's weight.
+        ctx.save_for_backward(x2, values)
+        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        return y2
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        x2, values = ctx.saved_tensors
+        csr, backend = ctx.csr, ctx.backend
+        grad_y2 = grad_y2.contiguous()
+        grad_x = grad_v = grad_b = None
+        if ctx.needs_input_grad[0]:
+            t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
+            assert t_crow is not None and t_col is not None
+            t_values = csr.transposed_values(values.detach())
+            grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
+        if ctx.needs_input_grad[1]:
+            grad_v = backend.sampled_values(csr, grad_y2, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_y2.sum(0)
+        return grad_x, grad_v, grad_b, None, None
+
+
+class _Densify(torch.autograd.Function):
+    """The dense ``[out, in]`` weight of kept ``values`` (zeros elsewhere); its gradient is the
+    dense gradient's kept values."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, csr: CSRWeight) -> Tensor:  # type: ignore[override]
+        ctx.csr = csr
+        return csr.to_dense(values.detach())
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return ctx.csr.gather_values(grad), None
+
+
+def run_compact_path(
+    path: str, x: Tensor, values: Tensor, csr: CSRWeight, bias: Tensor | None
+) -> Tensor:
+    """``F.linear(x, W, bias)`` for W given by its kept ``values [nnz]`` under ``csr`` (built
+    with ``permutation=True``) on ``path``; differentiable in ``x``, ``values`` and ``bias``.
+    "dense" builds W for the call (a transient ``[out, in]``) and gathers its gradient."""
+    if path == "dense":
+        return F.linear(x, _Densify.apply(values, csr), bias)
+    out_features, in_features = csr.shape
+    x2 = x.reshape(-1, in_features)
+    y2 = _CSRLinearFunction.apply(x2, values, bias, csr, _BACKENDS[path])
+    return y2.reshape(*x.shape[:-1], out_features)
+
+
+class DenseWeightGrad(torch.autograd.Function):
+    """Identity on a layer's output ``y`` whose backward also gives ``weight`` the dense gradient
+    ``grad_Y^T X`` (what `nn.Linear` computes), while ``y`` itself came from the sparse kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        grad_w = None
+        if ctx.needs_input_grad[2]:
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        return grad_y, None, grad_w
 
 
 # --- Backends -------------------------------------------------------------------------------------
@@ -263,6 +360,8 @@ class _Backend(NamedTuple):
     matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
     # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
     sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
+    # sampled_values(csr, grad_y2, x2) -> the same at kept positions only, [nnz] in CSR order.
+    sampled_values: Callable[[CSRWeight, Tensor, Tensor], Tensor]
 
 
 def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int]) -> Tensor:
@@ -279,10 +378,13 @@ def _torch_matmul(
     return out if bias is None else out.add_(bias)
 
 
-def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+def _torch_sampled_values(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
     pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
-    values = torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
-    return csr.to_dense(values)
+    return torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
+
+
+def _torch_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    return csr.to_dense(_torch_sampled_values(csr, grad_y2, x2))
 
 
 def _compiled_matmul(
@@ -299,7 +401,13 @@ def _compiled_sampled_grad(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tenso
     return dense
 
 
+def _compiled_sampled_values(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
+    values = x2.new_empty(csr.nnz)
+    native.sddmm(csr.crow_indices, csr.col_indices, grad_y2, x2, values)
+    return values
+
+
 _BACKENDS = {
-    "torch": _Backend(_torch_matmul, _torch_sampled_grad),
-    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad),
+    "torch": _Backend(_torch_matmul, _torch_sampled_grad, _torch_sampled_values),
+    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad, _compiled_sampled_values),
 }

@@ -26,6 +26,7 @@ __all__ = [
     "choose_path",
     "close_call",
     "decode_forces_dense",
+    "kernel_threads",
     "margin",
     "token_bucket_of",
     "unsupported_reason",
@@ -79,6 +80,27 @@ TUNED: dict[str, Tuned] = {
         "a sparse path within this share of dense's best time is re-measured before the choice: "
         "5 disturbed rounds had picked compiled at 0.91x for 4096x1024 at 70%",
     ),
+    "spmm_tile_bytes": Tuned(
+        128 << 10,
+        "kernel timing of the 51M model's layers (1024x1024, 2752x1024, 1024x2752 at 90% and 95%, "
+        "512 tokens, 1 thread, interleaved budgets 32K-512K), 2-core AMD EPYC VM, 2026-11-25",
+        "the SpMM kernel's transposed token tile (features x tokens) is sized for this many "
+        "bytes: 42-46 GFLOP/s at 512K, 46-52 at 128K; an L1-blocked variant (32K column "
+        "blocks) was slower (35-45)",
+    ),
+    "sddmm_tile_bytes": Tuned(
+        512 << 10,
+        "the same kernel timing, 2026-11-25",
+        "the SDDMM kernel's input tile: below two vectors of tokens (K=2752 under 512K) its "
+        "four-way dot products drop from 40 to 30 GFLOP/s",
+    ),
+    "busy_core": Tuned(
+        0.5,
+        "benchmarks/bench_threads.py (2-core Intel Xeon VM, 2026-11-23) for the start-time "
+        "choice; the device applies it per kernel call",
+        "a core other processes use at least this much of counts as busy: a kernel thread "
+        "sharing it stalls every parallel region it is in",
+    ),
     "close_repeats": Tuned(10, "design", "extra interleaved rounds for a close call"),
     "repeats": Tuned(5, "design", "timed rounds per candidate (after one warm-up round)"),
     "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),
@@ -111,19 +133,20 @@ def autotune_key(
     nnz: int,
     tokens: int,
     requires_grad: bool,
-    zeros_kept: bool,
+    mode: str,
 ) -> tuple:
     """The key one "auto" choice is cached under: quarter-octave density buckets and power-of-two
     token buckets, so a GMP schedule or a short last batch reuses a choice instead of
-    re-measuring. ``zeros_kept`` (dense is plain ``F.linear`` under an algorithm) counts for
-    training calls only."""
+    re-measuring. ``mode`` counts for training calls only: "masked" (`sparse_linear`: dense
+    masks weight and gradient), "kept" (dense is plain ``F.linear`` under an algorithm),
+    "compact" (the layer holds its kept values: dense builds the weight per call)."""
     numel = shape[0] * shape[1]
     density = max(nnz / numel if numel else 1.0, 1e-9)
     density_bucket = round(4 * math.log2(density))
     token_bucket = 1 << max(tokens - 1, 0).bit_length()
     return (
         device_type, dtype, shape, density_bucket, token_bucket, requires_grad,
-        zeros_kept and requires_grad,
+        mode if requires_grad else "masked",
     )  # fmt: skip
 
 
@@ -143,6 +166,16 @@ def decode_forces_dense(
     index_bytes = 2 if shape[1] <= 65536 else 4  # the one-token kernel's column indices
     sparse_bytes = nnz * (element_size + index_bytes)
     return sparse_bytes > TUNED["decode_bytes_ratio"].value * shape[0] * shape[1] * element_size
+
+
+def kernel_threads(requested: int, cpus: int, others_busy: float | None) -> int:
+    """Threads for a kernel call: ``requested`` (torch's count) on a machine of ``cpus`` cores
+    of which other processes keep ``others_busy`` busy (None: unknown), less every core they
+    use at least ``TUNED["busy_core"]`` of; at least one."""
+    if others_busy is None or requested <= 1:
+        return max(requested, 1)
+    free = math.ceil(cpus - others_busy - TUNED["busy_core"].value)
+    return max(1, min(requested, free))
 
 
 def margin(requires_grad: bool) -> float:

@@ -27,7 +27,7 @@ from lightning_sparse.integrations.serve import load_on_wse  # noqa: E402
 from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from lightning_sparse.wse import on_wse, register_masks  # noqa: E402
-from lightning_sparse.wse.compact import CompactLinear  # noqa: E402
+from lightning_sparse.wse.csr_linear import CSRLinear  # noqa: E402
 from tests.helpers import hf_llama_fields, one_thread  # noqa: E402, F401  (autouse)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,7 +101,7 @@ def test_a_compressed_export_never_holds_a_dense_weight_of_a_compressed_layer(
         served = load_on_wse(exports["compressed"])
     assert watch.seen == []
     assert len(served.layers) == 14 and all(
-        isinstance(layer, CompactLinear) for layer in served.layers.values()
+        isinstance(layer, CSRLinear) for layer in served.layers.values()
     )
     assert not any(n.endswith("proj.weight") for n, _ in served.model.named_parameters())
     with DenseAllocations(masked) as watch:  # the detector sees today's path do it

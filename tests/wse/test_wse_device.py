@@ -84,9 +84,11 @@ class Recorder(pl.Callback):
         self.losses.append(outputs["loss"].detach().clone())
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any):
-        self.grads.append(
-            {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-        )
+        grads = {n: p.grad.clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+        executor = getattr(trainer.accelerator, "executor", None)
+        if executor is not None:  # compact layers: their value gradients, as dense tensors
+            grads.update(executor.dense_grads())
+        self.grads.append(grads)
 
 
 class MemoryLogger(Logger):
@@ -217,10 +219,18 @@ def _assert_same_training(cpu: dict[str, Any], wse: dict[str, Any]) -> None:
             torch.testing.assert_close(wse["state"][key], value, **tol, msg=key)
 
 
-@pytest.mark.parametrize(("kind", "optimizer", "accumulate"), CASES)
-def test_training_matches_cpu(kind: str, optimizer: str, accumulate: int) -> None:
+DENSE_STATE_CASES = [("static", "adamw", 2), ("rigl", "sgd", 2), ("granet", "adamw", 2)]
+
+
+@pytest.mark.parametrize(
+    ("kind", "optimizer", "accumulate", "compact"),
+    [(*case, True) for case in CASES] + [(*case, False) for case in DENSE_STATE_CASES],
+)
+def test_training_matches_cpu(kind: str, optimizer: str, accumulate: int, compact: bool) -> None:
+    """Compact training (the default) and the dense training state both equal the cpu path."""
     cpu = _fit("cpu", ALGORITHMS[kind], optimizer, accumulate)
-    wse = _fit(_wse(), ALGORITHMS[kind], optimizer, accumulate)
+    wse = _fit(WSEAccelerator(kernel_path=PATH, compact=compact), ALGORITHMS[kind], optimizer,
+               accumulate)  # fmt: skip
     _assert_same_training(cpu, wse)
     algorithm: SparsityAlgorithm = wse["algorithm"]
     assert algorithm.step == STEPS
@@ -231,7 +241,9 @@ def test_training_matches_cpu(kind: str, optimizer: str, accumulate: int) -> Non
     # Sparse layers executed fewer FLOPs than dense; every mask change rebuilt the structures.
     assert stats.total_flops["forward"][0] < stats.total_flops["forward"][1]
     assert stats.total_rebuilds >= 14  # 14 masked layers, built at least once
-    if kind in ("set", "rigl"):  # an update inside the last step has no forward after it
+    if kind in ("set", "rigl") and compact:  # each update's new structure, built at its step
+        assert stats.total_rebuilds == 14 * (1 + len(updates))
+    elif kind in ("set", "rigl"):  # an update inside the last step has no forward after it
         assert stats.total_rebuilds == 14 * (1 + len([s for s in updates if s < STEPS - 1]))
 
 
@@ -248,8 +260,9 @@ def test_rebuilds_follow_mask_updates_and_stats_are_logged() -> None:
     wse_keys = {k.removeprefix("wse/") for k in keys if k.startswith("wse/")}
     device_keys = {k.rsplit("/", 1)[1] for k in keys if k.startswith("DeviceStatsMonitor.")}
     assert wse_keys and device_keys and not wse_keys & device_keys
-    # Built at the first step; rebuilt in the step after each update (updates at steps 3, 6).
-    assert [r["wse/rebuilds"] for r in rows] == [14, 0, 0, 0, 14, 0, 0]
+    # Built at the first step; rebuilt in each update step (updates at steps 3, 6), where the
+    # compact layers take their new structure right after the optimizer step.
+    assert [r["wse/rebuilds"] for r in rows] == [14, 0, 0, 14, 0, 0, 14]
     dense_grad_steps = [i for i, r in enumerate(rows) if r["wse/flops_dense_weight_grad"] > 0]
     assert dense_grad_steps == [3, 6]
     for r in rows:
@@ -549,7 +562,9 @@ def test_inference_follows_every_change_of_weight_mask_and_bias(path: str) -> No
         with torch.no_grad():
             layer(x)
             layer(x)
-        assert executor.stats.end_step()["flops_forward"] == 2 * 2 * 3 * nnz
+        # Executed FLOPs: the kept weights on a sparse path, every weight on the dense one.
+        executed = layer.weight.numel() if path == "dense" else nnz
+        assert executor.stats.end_step()["flops_forward"] == 2 * 2 * 3 * executed
 
 
 def test_inference_of_a_model_built_under_inference_mode() -> None:

@@ -6,6 +6,8 @@ and in the gradients w.r.t. x, weight (dense, zero where pruned) and bias.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -502,3 +504,73 @@ def test_decode_takes_a_sparse_path_only_if_it_halves_the_bytes(
     sparse = "compiled" if kernels.compiled_available() else "torch"
     assert chosen == (sparse if expected == "sparse" else "dense")
     clear_autotune_cache()
+
+
+@pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
+@pytest.mark.parametrize("tokens", [7, 40, 100, 700])
+def test_compiled_results_do_not_depend_on_the_thread_count(tokens: int) -> None:
+    """The device picks its kernel threads by the cores free at the moment (`threads.py`), so the
+    compiled kernels must give bit-identical outputs and gradients (dense and compact layers) on
+    any thread count: SDDMM sums fixed token ranges in a fixed order, whoever computes them."""
+    from lightning_sparse.wse.ops import run_compact_path, run_path
+
+    generator = torch.Generator().manual_seed(tokens)
+    weight = torch.randn(300, 700, generator=generator)
+    csr = CSRWeight.from_dense(weight, _mask((300, 700), 0.9, seed=5), permutation=True)
+    x, grad_y = torch.randn(tokens, 700, generator=generator), torch.randn(tokens, 300)
+    results = []
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            values = csr.gather_values(weight).requires_grad_()
+            x1, x2, w2 = (t.clone().requires_grad_() for t in (x, x, weight))
+            run_compact_path("compiled", x1, values, csr, None).backward(grad_y)
+            run_path("compiled", x2, w2, csr, None).backward(grad_y)
+            results.append((x1.grad, values.grad, x2.grad, w2.grad))
+    finally:
+        torch.set_num_threads(previous)
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("requested", "cpus", "others", "expected"),
+    [
+        (2, 2, None, 2),  # load unknown: torch's count
+        (2, 2, 0.0, 2),
+        (2, 2, 0.4, 2),  # a core counts as busy from half of it used
+        (2, 2, 0.5, 1),
+        (2, 2, 1.0, 1),  # one busy process: one thread on the free core
+        (2, 2, 1.9, 1),  # never fewer than one
+        (4, 8, 5.0, 3),
+        (1, 8, 0.0, 1),
+    ],
+)
+def test_kernel_threads_policy(requested: int, cpus: int, others: float | None, expected: int):
+    assert policy.kernel_threads(requested, cpus, others) == expected
+
+
+def test_load_monitor_counts_other_processes_busy_cores(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two samples of a fake ``/proc/stat`` 1 s apart: 150 ticks busy (at 100 per second) while
+    this process used 0.5 s of CPU, so others kept 1.0 core busy and a 2-thread kernel call gets
+    one thread."""
+    from lightning_sparse.wse import threads
+
+    stat = tmp_path / "stat"
+    clock = iter([100.0, 100.0, 101.0, 101.0])
+    own = iter([10.0, 10.5])
+    monkeypatch.setattr(threads.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(threads.time, "process_time", lambda: next(own))
+    monkeypatch.setattr(threads.os, "sysconf", lambda name: 100)
+    monitor = threads.LoadMonitor(stat, interval=0.5)
+    monitor.cpus = 2
+    monkeypatch.setattr(threads.torch, "get_num_threads", lambda: 2)
+    stat.write_text("cpu  1000 0 500 8000 100 0 0 0 0 0\ncpu0 ...\n")
+    assert monitor.threads() == 2  # first sample: no window yet
+    stat.write_text("cpu  1100 0 550 8050 100 0 0 0 0 0\ncpu0 ...\n")
+    assert monitor.threads() == 1
+    assert monitor.others == pytest.approx(1.0)

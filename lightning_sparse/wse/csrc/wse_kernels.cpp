@@ -113,10 +113,13 @@ struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
 
 constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line of floats)
 constexpr int64_t kColBlock = 32;  // features per transpose work item
-// The kernels are bound by L2 bandwidth (one vector load per FMA), so the randomly accessed
-// transposed tile (K features x T tokens) is sized to stay in a 512 KiB share of L2. SDDMM streams
-// its gradient tile row by row, so only its X tile counts.
-constexpr int64_t kTileBudget = 512 << 10;
+// The randomly accessed transposed tile (K features x T tokens) is sized to stay in a share of L2
+// (more tokens per tile amortize each kept weight's index and value loads over more FMAs; a
+// smaller tile stays closer to the core). SDDMM streams its gradient tile row by row, so only its
+// X tile counts. Set at load time from the Python side's tuned constants (`ls_set_tile_budgets`,
+// `policy.TUNED`); these are the defaults.
+int64_t g_spmm_budget = 128 << 10;
+int64_t g_sddmm_budget = 512 << 10;
 constexpr int64_t kMinTokensPerThread = 32;
 
 // One thread for small problems: a parallel region costs microseconds, and when the cores are
@@ -128,10 +131,10 @@ inline int threads_for(int64_t nnz, int64_t N, int64_t features, int threads) {
 
 // Largest vectors-per-tile (1, 2, 4 or 8) whose transposed tile of `features` rows fits the budget.
 template <typename S>
-int max_vectors(int64_t features) {
+int max_vectors(int64_t features, int64_t budget) {
   int nv = 8;
   const int64_t bytes_per_vector = static_cast<int64_t>(sizeof(S)) * features * kLanes<S>;
-  while (nv > 1 && bytes_per_vector * nv > kTileBudget) nv /= 2;
+  while (nv > 1 && bytes_per_vector * nv > budget) nv /= 2;
   return nv;
 }
 
@@ -263,7 +266,7 @@ void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* b
 template <typename S>
 void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
           int64_t N, int64_t K, int64_t M, S* Y, int threads) {
-  const int cap = max_vectors<S>(K);
+  const int cap = max_vectors<S>(K, g_spmm_budget);
   const int64_t T_cap = cap * kLanes<S>;
   threads = threads_for(crow[M], N, K + M, threads);
   if (threads == 1 || N >= threads * kMinTokensPerThread) {
@@ -344,43 +347,51 @@ void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* x
   }
 }
 
+// D is dense [M, K] (zero at pruned positions) when `dense`, else the kept values [nnz] in CSR
+// order (what a compact layer's value gradient is).
+// SDDMM sums each kept weight's dot product over at most this many token ranges (whole tiles),
+// each into its own partial buffer, then adds the partials in range order: the ranges depend on N
+// only, so the result is the same whatever the thread count (threads take ranges dynamically; a
+// descheduled thread just takes fewer).
+constexpr int kTokenRanges = 4;
+
 template <typename S>
 int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
-          int64_t M, S* D, int threads) {
-  const int cap = max_vectors<S>(K);
+          int64_t M, S* D, bool dense, int threads) {
+  const int cap = max_vectors<S>(K, g_sddmm_budget);
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t nnz = crow[M];
   threads = threads_for(nnz, N, K + M, threads);
-  const bool token_parallel = threads == 1 || N >= threads * kMinTokensPerThread;
-  // Token-parallel threads each sum their own tokens into a private copy of the values.
-  Buffer vbuf(sizeof(S) * nnz * (token_parallel ? threads : 1));
-  Buffer gshared(token_parallel ? 0 : sizeof(S) * M * T_cap);
-  Buffer xshared(token_parallel ? 0 : sizeof(S) * K * T_cap);
+  const int64_t tiles = (N + T_cap - 1) / T_cap;
+  const int ranges = static_cast<int>(std::min<int64_t>(kTokenRanges, std::max<int64_t>(tiles, 1)));
+  // One range (few tokens) and several threads: they share each tile and split its rows instead.
+  const bool by_rows = ranges == 1 && threads > 1;
+  Buffer vbuf(sizeof(S) * nnz * ranges);
+  Buffer gshared(by_rows ? sizeof(S) * M * T_cap : 0);
+  Buffer xshared(by_rows ? sizeof(S) * K * T_cap : 0);
   if (!vbuf.ptr || !gshared.ptr || !xshared.ptr) return 1;
   S* partial = static_cast<S*>(vbuf.ptr);
-  int team = 1;
 #pragma omp parallel num_threads(threads)
   {
-    if (token_parallel) {
-      const int me = omp_get_thread_num();
-#pragma omp single
-      team = omp_get_num_threads();
-      const int64_t a = N * me / team, b = N * (me + 1) / team;
-      S* vals = partial + nnz * me;
-      std::memset(vals, 0, sizeof(S) * nnz);
+    if (!by_rows) {
       Buffer gbuf(sizeof(S) * M * T_cap), xbuf(sizeof(S) * K * T_cap);
       S* gt = static_cast<S*>(gbuf.ptr);
       S* xt = static_cast<S*>(xbuf.ptr);
-      for (int64_t n0 = a; n0 < b; n0 += T_cap) {
-        const int64_t tn = std::min(T_cap, b - n0);
-        with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
-          constexpr int T = decltype(nv)::value * kLanes<S>;
-          transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
-          transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-          sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
-        });
+#pragma omp for schedule(dynamic, 1)
+      for (int p = 0; p < ranges; ++p) {
+        S* vals = partial + nnz * p;
+        std::memset(vals, 0, sizeof(S) * nnz);
+        for (int64_t tile = tiles * p / ranges; tile < tiles * (p + 1) / ranges; ++tile) {
+          const int64_t n0 = tile * T_cap;
+          const int64_t tn = std::min(T_cap, N - n0);
+          with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
+            constexpr int T = decltype(nv)::value * kLanes<S>;
+            transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
+            transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+          });
+        }
       }
-#pragma omp barrier
     } else {
       S* gt = static_cast<S*>(gshared.ptr);
       S* xt = static_cast<S*>(xshared.ptr);
@@ -406,11 +417,15 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < M; ++i) {
       S* row = D + i * K;
-      std::memset(row, 0, sizeof(S) * K);
+      if (dense) std::memset(row, 0, sizeof(S) * K);
       for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
         S sum = partial[k];
-        for (int t = 1; t < team; ++t) sum += partial[nnz * t + k];
-        row[col[k]] = sum;
+        for (int p = 1; p < ranges; ++p) sum += partial[nnz * p + k];
+        if (dense) {
+          row[col[k]] = sum;
+        } else {
+          D[k] = sum;
+        }
       }
     }
   }
@@ -618,6 +633,19 @@ void spmv(const int32_t* crow, const I* col, const V* val, const float* x, const
 
 }  // namespace
 
+// --- Dense W [M, K] from kept values in CSR order: zeros elsewhere (a compact layer's weight) ---
+template <typename S>
+void scatter(const int32_t* crow, const int32_t* col, const S* vals, int64_t M, int64_t K, S* W,
+             int threads) {
+  const int team = threads_for(M * K, 1, 0, threads);
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t i = 0; i < M; ++i) {
+    S* w = W + i * K;
+    std::memset(w, 0, sizeof(S) * K);
+    for (int32_t k = crow[i]; k < crow[i + 1]; ++k) w[col[k]] = vals[k];
+  }
+}
+
 // --- Kept values of a dense W [M, K] in CSR order (rows) or in transposed-CSR order (columns) ---
 template <typename S>
 void gather(const int32_t* crow, const int32_t* col, const S* W, int64_t M, int64_t K, S* out,
@@ -638,6 +666,10 @@ void gather_t(const int32_t* t_crow, const int32_t* t_col, const S* W, int64_t M
     for (int32_t k = t_crow[j]; k < t_crow[j + 1]; ++k) out[k] = W[int64_t{t_col[k]} * K + j];
 }
 extern "C" {
+void ls_set_tile_budgets(int64_t spmm_bytes, int64_t sddmm_bytes) {
+  g_spmm_budget = spmm_bytes;
+  g_sddmm_budget = sddmm_bytes;
+}
 void ls_gather_f32(const int32_t* crow, const int32_t* col, const float* W, int64_t M, int64_t K,
                    float* out, int threads) {
   gather<float>(crow, col, W, M, K, out, threads);
@@ -671,11 +703,27 @@ void ls_spmm_f64(const int32_t* crow, const int32_t* col, const double* val, con
 }
 int ls_sddmm_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
                  int64_t N, int64_t K, int64_t M, float* D, int threads) {
-  return sddmm<float>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<float>(crow, col, G, X, N, K, M, D, true, threads);
 }
 int ls_sddmm_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
                  int64_t N, int64_t K, int64_t M, double* D, int threads) {
-  return sddmm<double>(crow, col, G, X, N, K, M, D, threads);
+  return sddmm<double>(crow, col, G, X, N, K, M, D, true, threads);
+}
+int ls_sddmm_values_f32(const int32_t* crow, const int32_t* col, const float* G, const float* X,
+                        int64_t N, int64_t K, int64_t M, float* vals, int threads) {
+  return sddmm<float>(crow, col, G, X, N, K, M, vals, false, threads);
+}
+int ls_sddmm_values_f64(const int32_t* crow, const int32_t* col, const double* G, const double* X,
+                        int64_t N, int64_t K, int64_t M, double* vals, int threads) {
+  return sddmm<double>(crow, col, G, X, N, K, M, vals, false, threads);
+}
+void ls_scatter_f32(const int32_t* crow, const int32_t* col, const float* vals, int64_t M,
+                    int64_t K, float* W, int threads) {
+  scatter<float>(crow, col, vals, M, K, W, threads);
+}
+void ls_scatter_f64(const int32_t* crow, const int32_t* col, const double* vals, int64_t M,
+                    int64_t K, double* W, int threads) {
+  scatter<double>(crow, col, vals, M, K, W, threads);
 }
 void ls_spmv_f32_u16(const int32_t* crow, const uint16_t* col, const float* val, const float* x,
                      const float* bias, int64_t M, float* y, int threads) {

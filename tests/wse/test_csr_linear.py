@@ -1,4 +1,4 @@
-"""`CompactLinear`: a layer held only in CSR equals the dense layer of its nonzeros, on every token
+"""`CSRLinear`: a layer held only in CSR equals the dense layer of its nonzeros, on every token
 count, from a packed bitmask and from a dense weight, ``[out, in]`` and ``Conv1D``'s ``[in, out]``;
 it holds 16-bit columns and no int32 copy; corrupt inputs are refused with the reason."""
 
@@ -11,7 +11,7 @@ from torch import nn
 
 from lightning_sparse import Static
 from lightning_sparse.wse import compact, native, on_wse
-from lightning_sparse.wse.compact import CompactLinear, runs_in_csr, unpack_bitmask
+from lightning_sparse.wse.csr_linear import CSRLinear, runs_in_csr, unpack_bitmask
 from tests.helpers import one_thread  # noqa: F401  (autouse: one torch thread)
 
 COMPILED = native.compiled_available()
@@ -44,11 +44,11 @@ def test_bitmask_and_dense_builds_equal_the_dense_layer(
     stored = weight.t().contiguous() if transposed else weight  # what a file holds
     kept = stored != 0
     layers = [
-        CompactLinear.from_bitmask(
+        CSRLinear.from_bitmask(
             tuple(stored.shape), pack(kept), stored[kept], bias, transposed=transposed,
             row_offsets=kept.sum(1).cumsum(0) - kept.sum(1),
         ),
-        CompactLinear.from_dense(stored, bias, transposed=transposed),
+        CSRLinear.from_dense(stored, bias, transposed=transposed),
     ]  # fmt: skip
     reference = nn.Linear(shape[1], shape[0]).double()
     with torch.no_grad():
@@ -71,7 +71,7 @@ def test_it_equals_the_executor_bit_for_bit_and_holds_no_int32_column_copy() -> 
     linear.apply(Static(0.9))
     with torch.no_grad():
         linear.weight.mul_(linear.weight_mask)
-    layer = CompactLinear.from_dense(linear.weight, linear.bias)
+    layer = CSRLinear.from_dense(linear.weight, linear.bias)
     for tokens in (1, 5):
         x = torch.randn(tokens, 96)
         with torch.no_grad(), on_wse(linear, path="compiled" if COMPILED else "torch"):
@@ -98,7 +98,7 @@ def _tensors(obj: object) -> list[torch.Tensor]:
 @pytest.mark.skipif(not COMPILED, reason="bf16 storage runs on the compiled kernels")
 def test_bfloat16_storage_computes_with_the_rounded_values() -> None:
     weight = sparse_weight((64, 48), 0.1)
-    layer = CompactLinear.from_dense(weight, value_dtype=torch.bfloat16)
+    layer = CSRLinear.from_dense(weight, value_dtype=torch.bfloat16)
     assert layer.values.dtype == torch.bfloat16 and layer.compute_dtype == torch.float32
     rounded = weight.to(torch.bfloat16).float()
     for tokens in (1, 4):
@@ -118,16 +118,16 @@ def test_corrupt_inputs_are_refused_with_the_reason() -> None:
     with pytest.raises(
         ValueError, match=r"bitmask must be uint8 \[8, 2\].*got torch.uint8 \[8, 1\]"
     ):
-        CompactLinear.from_bitmask((8, 12), pack(kept)[:, :1], weight[kept])
+        CSRLinear.from_bitmask((8, 12), pack(kept)[:, :1], weight[kept])
     with pytest.raises(ValueError, match="different weights"):
-        CompactLinear.from_bitmask((8, 12), pack(kept), weight[kept][:-1])
+        CSRLinear.from_bitmask((8, 12), pack(kept), weight[kept][:-1])
     with pytest.raises(ValueError, match="different weights"):
-        CompactLinear.from_bitmask((8, 12), pack(kept), torch.cat([weight[kept], weight[kept]]))
+        CSRLinear.from_bitmask((8, 12), pack(kept), torch.cat([weight[kept], weight[kept]]))
     with pytest.raises(ValueError, match="row_offsets .* disagree"):
-        CompactLinear.from_bitmask(
+        CSRLinear.from_bitmask(
             (8, 12), pack(kept), weight[kept], row_offsets=torch.zeros(8, dtype=torch.int64)
         )
-    layer = CompactLinear.from_dense(weight)
+    layer = CSRLinear.from_dense(weight)
     with pytest.raises(
         ValueError, match=r"takes torch.float32 \[..., 12\] inputs, got torch.float64"
     ):
@@ -139,9 +139,9 @@ def test_corrupt_inputs_are_refused_with_the_reason() -> None:
 def test_the_block_size_does_not_change_the_result(monkeypatch: pytest.MonkeyPatch) -> None:
     weight = sparse_weight((50, 30), 0.2)
     kept = weight != 0
-    whole = CompactLinear.from_bitmask((50, 30), pack(kept), weight[kept])
+    whole = CSRLinear.from_bitmask((50, 30), pack(kept), weight[kept])
     monkeypatch.setattr(compact, "BLOCK", 64)  # two rows per block
-    blocked = CompactLinear.from_bitmask((50, 30), pack(kept), weight[kept])
+    blocked = CSRLinear.from_bitmask((50, 30), pack(kept), weight[kept])
     for name in ("crow_indices", "col_indices", "values"):
         assert torch.equal(getattr(whole, name), getattr(blocked, name))
 
@@ -154,7 +154,7 @@ def test_csr_is_chosen_where_decode_pays() -> None:
 
 def test_a_dtype_change_rebuilds_the_runner() -> None:
     weight = sparse_weight((4, 70001), 0.01)  # int32 columns: float64 can run on them
-    layer = CompactLinear.from_dense(weight)
+    layer = CSRLinear.from_dense(weight)
     x = torch.randn(2, 70001, dtype=torch.float64)
     with torch.no_grad():
         layer(x.float())

@@ -1,0 +1,334 @@
+"""One layer on the device: its cached CSR structure, owners, compact form, and its forward.
+
+`LayerState.run` is the forward of a `WSELinear` (or device ``Conv1D``) that the executor runs;
+its cases are the executor module's docstring. The structure is cached per mask (object and
+version); the algorithms owning the weight are read at each rebuild; a layer trains in compact
+form (`compact.py`) when it qualifies (`try_compact`) and dense through mask-update steps.
+Inference is `inference.py`'s.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_sparse.core.algorithms import SparsityAlgorithm
+from lightning_sparse.wse import compact as compact_state
+from lightning_sparse.wse.autotune import resolve_path
+from lightning_sparse.wse.compact import CompactState
+from lightning_sparse.wse.counters import BackwardCounter
+from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.inference import FAST, MASK, FastInference, infer, infer_compact
+from lightning_sparse.wse.kernels import sparse_linear
+from lightning_sparse.wse.ops import DenseWeightGrad, run_compact_path
+from lightning_sparse.wse.stats import LayerMemory
+
+if TYPE_CHECKING:
+    from lightning_sparse.wse.executor import WSEExecutor
+
+__all__ = ["CSR_DTYPES", "STATE", "LayerState", "csr_supported", "version_of", "warn_once"]
+
+CSR_DTYPES = (torch.float32, torch.float64)
+# Per-layer state lives beside the module, not in it, so deepcopy/pickle of a model never drags
+# the executor along (a copy runs as a plain nn.Linear) and removal leaves no attribute behind.
+STATE: weakref.WeakKeyDictionary[nn.Module, LayerState] = weakref.WeakKeyDictionary()
+WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class LayerState:
+    """Cached CSR structure of one layer and the key it was built for.
+
+    The caches are keyed on the module's own ``weight`` parameter and ``weight_mask`` buffer
+    (objects and ``_version``); the kernels see `out_in` views, ``[out, in]``.
+    """
+
+    def __init__(
+        self, executor: WSEExecutor, name: str, module: nn.Module, in_out: bool = False
+    ) -> None:
+        self.executor = executor
+        self.name = name
+        self._module = weakref.ref(module)
+        self._fast: FastInference | None = None
+        self.in_out = in_out  # weight stored [in, out] (HF Conv1D)
+        self.csr: CSRWeight | None = None
+        self.mask: Tensor | None = None  # the tensor the cache was built from
+        self.version = -1
+        self.owners: list[weakref.ref[SparsityAlgorithm]] = []
+        # (algorithm, sparse-parameter name) of each owner of this weight, and the training path
+        # per token count where an owner keeps pruned entries at 0 (`zeros_kept`).
+        self.owned_as: list[tuple[weakref.ref[SparsityAlgorithm], str]] = []
+        self.train_paths: dict[int, str] = {}
+        # Inference: the kept values, gathered once per weight version, and a runner per token
+        # count (the path "auto" chose for it); both dropped when csr, weight or mask change.
+        self.values: Tensor | None = None
+        self.values_key: tuple[CSRWeight, int, Tensor | None] | None = None
+        # (runner, executed FLOPs per token, plain F.linear) per token count.
+        self.runners: dict[int, tuple[Callable[[Tensor], Tensor], int, bool]] = {}
+        # Compact training (`compact.py`): the layer's compact form, and its path per tokens.
+        self.compact: CompactState | None = None
+        self.compact_paths: dict[int, str] = {}
+
+    @property
+    def fast(self) -> FastInference | None:
+        """The decode fast path while valid (mirrored into the module's instance dict)."""
+        return self._fast
+
+    @fast.setter
+    def fast(self, value: FastInference | None) -> None:
+        self._fast = value
+        module = self._module()
+        if module is not None:
+            if value is None:
+                module.__dict__.pop(FAST, None)
+            else:
+                module.__dict__[FAST] = value
+
+    def out_in(self, t: Tensor) -> Tensor:
+        """``t`` (weight or mask) as ``[out, in]``: a transposed view for a Conv1D."""
+        return t.t() if self.in_out else t
+
+    def run(self, module: nn.Module, x: Tensor) -> Tensor:
+        """The layer's output ``[..., out]`` for an input ``x [..., in]``."""
+        mask = module._buffers.get(MASK)  # the buffer itself, the cache key
+        if self.compact is not None and not self._compact_current(module, mask):
+            self.decompact()  # mask or weight changed under the compact form
+        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
+        if mask is None:
+            if self.csr is not None:  # densified: forget the structure
+                self.csr, self.mask = None, None
+                self.executor.stats.forget_layer(self.name)
+            y = F.linear(x, weight, bias)
+            self._record(x, y, weight, weight.numel(), dense_grad=False)
+            return y
+        if x.device != weight.device:
+            raise ValueError(
+                f"{self.name!r}: input on {x.device} but the layer's weight is on "
+                f"{weight.device}; move the input (or the model) to one device"
+            )
+        if not csr_supported(x, weight):
+            warn_once(
+                module,
+                f"lightning_sparse.wse: {self.name!r} gets a {x.dtype} input "
+                f"(weight {weight.dtype}, autocast "
+                f"{torch.is_autocast_enabled(x.device.type)}); the CSR kernels run float32/"
+                "float64 without autocast, so this layer runs dense (same numbers as masked "
+                "dense training).",
+            )
+            self.decompact()
+            return F.linear(x, self.out_in(module.weight), bias)
+        inference = not torch.is_grad_enabled() or not (
+            weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
+        )
+        if self.compact is not None and not inference and self._update_due():
+            self.decompact()  # the mask update reads the dense weight: this step runs dense
+        elif self.compact is None and not inference:
+            self.try_compact(module, mask)
+        if self.compact is not None:
+            return self._run_compact(x, module, inference)
+        csr = self.structure(module, mask, transpose=not inference)
+        if inference:
+            y, kept = infer(self, x, module, csr)
+            self._record(x, y, weight, kept, dense_grad=False)
+            return y
+        if self.values is not None:  # training gathers per call; free the inference cache
+            self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+        dense_grad = (
+            torch.is_grad_enabled()
+            and weight.requires_grad
+            and any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
+        )
+        path = self.executor.path
+        if weight.requires_grad and self.zeros_kept(module, mask):
+            # The algorithm keeps pruned weights and gradients at exactly 0, so "dense" is plain
+            # F.linear: same values as the masked copy, no masking passes (its gradient hook
+            # zeroes the weight gradient at pruned positions before any optimizer sees it).
+            tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
+            chosen = self.train_paths.get(tokens)
+            if chosen is None:
+                chosen = resolve_path(x, weight, csr, path, requires_grad=True, zeros_kept=True)
+                self.train_paths[tokens] = chosen
+            if chosen == "dense":
+                y = F.linear(x, weight, bias)
+                self._record(x, y, weight, weight.numel(), dense_grad)
+                return y
+            path = chosen
+        if dense_grad:
+            y = sparse_linear(x, weight.detach(), csr, bias, path=path)
+            y = DenseWeightGrad.apply(y, x, weight)
+        else:
+            y = sparse_linear(x, weight, csr, bias, path=path)
+        self._record(x, y, weight, csr.nnz, dense_grad)
+        return y
+
+    # ------------------------------------------------------------------ compact training
+    def try_compact(self, module: nn.Module, mask: Tensor) -> None:
+        """Go compact if the layer qualifies: the executor has optimizers, the weight (an
+        `nn.Linear`'s, float32/float64 on the CPU) is stepped by one elementwise optimizer, a
+        live algorithm keeps its pruned entries at 0 (`zeros_kept`) and no mask update is due
+        before the coming step."""
+        registry = self.executor.compact
+        weight = module._parameters.get("weight")
+        if registry is None or self.in_out or weight is None or not weight.requires_grad:
+            return
+        if weight.dtype not in CSR_DTYPES or weight.device.type != "cpu":
+            return
+        csr = self.structure(module, mask, transpose=True, permutation=True)  # finds owners
+        if not self.zeros_kept(module, mask) or self._update_due():
+            return
+        slot = compact_state.find_slot(registry.optimizers(), weight)
+        if slot is None or not compact_state.qualifies(slot[0]):
+            return
+        self.compact = compact_state.to_compact(weight, csr, slot)
+        registry.add(self, slot[0])
+
+    def decompact(self) -> None:
+        """Back to the dense form (no-op when dense)."""
+        compact = self.compact
+        if compact is None:
+            return
+        compact_state.to_dense(compact)
+        self.compact = None
+        if self.executor.compact is not None:
+            self.executor.compact.discard(compact)
+        self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+
+    def _compact_current(self, module: nn.Module, mask: Tensor | None) -> bool:
+        """Whether the compact form still matches the module's weight and mask."""
+        compact = self.compact
+        assert compact is not None
+        if mask is None or module._parameters.get("weight") is not compact.weight:
+            return False
+        return self.structure(module, mask, transpose=True, permutation=True) is compact.csr
+
+    def _update_due(self) -> bool:
+        return any(compact_state.update_due(ref()) for ref in self.owners)
+
+    def _run_compact(self, x: Tensor, module: nn.Module, inference: bool) -> Tensor:
+        """The forward of a compact layer: from its values, in training or inference."""
+        compact, bias = self.compact, module.bias
+        assert compact is not None
+        csr = compact.csr
+        tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
+        if inference:
+            y, kept = infer_compact(self, x, compact, bias, tokens)
+            self._record(x, y, compact.weight, kept, dense_grad=False)
+            return y
+        if self.values is not None:  # training: free the inference cache
+            self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+        chosen = self.compact_paths.get(tokens)
+        if chosen is None:
+            path = self.executor.path
+            chosen = resolve_path(x, compact.values, csr, path, requires_grad=True, compact=True)
+            self.compact_paths[tokens] = chosen
+        y = run_compact_path(chosen, x, compact.values, csr, bias)
+        nnz = compact.weight.numel() if chosen == "dense" else csr.nnz
+        self._record(x, y, compact.weight, nnz, dense_grad=False)
+        return y
+
+    def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:
+        """Whether a live algorithm keeps this weight's pruned entries and gradient at exactly 0:
+        it owns the weight under this very mask and its per-step gradient hook is on this very
+        parameter (`core.per_step.StepHooks`). Masks registered without an algorithm
+        (`restore_masks`, a copied model) do not qualify: those layers keep masking."""
+        weight = module.weight
+        for ref, name in self.owned_as:
+            algorithm = ref()
+            if algorithm is None:
+                continue
+            sp = algorithm.sparse_params.get(name)
+            hooks = getattr(algorithm, "hooks", None)
+            guarded = hooks is not None and hooks.guards(name, weight)
+            if sp is not None and sp.mask is mask and guarded:
+                return True
+        return False
+
+    def structure(
+        self, module: nn.Module, mask: Tensor, transpose: bool = True, permutation: bool = False
+    ) -> CSRWeight:
+        """The `CSRWeight` (``[out, in]``) of ``mask`` (the module's buffer), rebuilt only when
+        the mask may have changed (or when training needs the transposed structure, or a compact
+        layer the permutation, that the cached one lacks)."""
+        csr = self.csr
+        # A structure built under inference_mode holds inference tensors, which autograd may not
+        # save for backward: rebuild it for training. Inference builds forward-only structures.
+        usable = (
+            csr is not None
+            and (not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled())
+            and (csr.has_transpose or not transpose)
+            and (csr.t_perm is not None or not permutation)
+        )
+        version = version_of(mask)
+        if usable and mask is self.mask and version == self.version and version >= 0:
+            return csr
+        start = time.perf_counter()
+        weight = self.out_in(module.weight.detach())
+        built = CSRWeight.from_dense(
+            weight, self.out_in(mask), transpose=transpose or permutation, permutation=permutation
+        )
+        seconds = time.perf_counter() - start
+        if usable and built.same_structure(csr):
+            # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
+            # structure object, so the caches keyed on it stay valid.
+            self.mask, self.version = mask, version
+            self._find_owners(module)
+            return csr
+        csr = built
+        self.csr, self.mask, self.version = csr, mask, version
+        self._find_owners(module)
+        self.train_paths, self.compact_paths = {}, {}
+        out_features, in_features = csr.shape
+        memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
+        self.executor.stats.add_rebuild(self.name, seconds, memory)
+        self.executor.check_fallbacks()
+        return csr
+
+    def _find_owners(self, module: nn.Module) -> None:
+        """The algorithms owning this weight, read at each (re)build of the structure."""
+        owners = self.executor.owners_of(module)
+        self.owners = [weakref.ref(a) for a in owners]
+        self.owned_as = [
+            (weakref.ref(a), name)
+            for a in owners
+            for name, sp in a.sparse_params.items()
+            if sp.module is module and sp.param_name == "weight"
+        ]
+
+    def _record(self, x: Tensor, y: Tensor, weight: Tensor, nnz: int, dense_grad: bool) -> None:
+        out_features, in_features = weight.shape
+        tokens = x.numel() // in_features if in_features else 0
+        numel = out_features * in_features
+        stats = self.executor.stats
+        stats.add_flops("forward", 2 * tokens * nnz, 2 * tokens * numel)
+        if y.requires_grad:
+            y.register_hook(
+                BackwardCounter(
+                    stats, tokens, nnz, numel, x.requires_grad, weight.requires_grad, dense_grad
+                )
+            )
+
+
+def version_of(mask: Tensor) -> int:
+    # Inference tensors have no version counter: -1 makes every call compare the content.
+    return -1 if mask.is_inference() else mask._version
+
+
+def csr_supported(x: Tensor, weight: Tensor) -> bool:
+    return (
+        x.dtype == weight.dtype
+        and x.dtype in CSR_DTYPES
+        and not torch.is_autocast_enabled(x.device.type)
+    )
+
+
+def warn_once(module: nn.Module, message: str) -> None:
+    if module in WARNED:
+        return
+    WARNED.add(module)
+    warnings.warn(message, UserWarning, stacklevel=3)

@@ -28,6 +28,7 @@ from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E40
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from lightning_sparse.wse import on_wse, register_masks  # noqa: E402
 from lightning_sparse.wse.csr_linear import CSRLinear  # noqa: E402
+from lightning_sparse.wse.native import compiled_available  # noqa: E402
 from tests.helpers import hf_llama_fields, one_thread  # noqa: E402, F401  (autouse)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +64,9 @@ def hf_generate(model: nn.Module, ids: torch.Tensor, n: int) -> torch.Tensor:
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
+
+
+CSR_PATH = "compiled" if compiled_available() else "torch"
 
 
 def on_wse_baseline(path: Path) -> nn.Module:
@@ -116,7 +120,7 @@ def test_tokens_equal_load_compressed_on_wse_and_the_dense_model(
     served = load_on_wse(exports[source])
     ids = prompt()
     baseline = on_wse_baseline(exports["compressed"])
-    with on_wse(baseline) as executor:
+    with on_wse(baseline, path=CSR_PATH) as executor:  # CSR, as served (auto may run dense)
         expected = hf_generate(baseline, ids, 12)
     flops = executor.stats.as_dict()
     assert flops["total_flops_forward"] < 0.5 * flops["total_flops_forward_dense"]  # in CSR
@@ -135,7 +139,7 @@ def test_bfloat16_storage_matches_on_wse_bfloat16(exports: dict[str, Path]) -> N
     assert {layer.values.dtype for layer in served.layers.values()} == {torch.bfloat16}
     baseline = on_wse_baseline(exports["compressed"])
     ids = prompt()
-    with torch.no_grad(), on_wse(baseline, inference_dtype="bfloat16"):
+    with torch.no_grad(), on_wse(baseline, path=CSR_PATH, inference_dtype="bfloat16"):
         expected = baseline(input_ids=ids).logits
         tokens = hf_generate(baseline, ids, 8)
     torch.testing.assert_close(served.logits(ids), expected, rtol=1e-5, atol=1e-5)

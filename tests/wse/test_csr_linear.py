@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_sparse import Static
-from lightning_sparse.wse import compact, native, on_wse
+from lightning_sparse.wse import csr_linear, native, on_wse
 from lightning_sparse.wse.csr_linear import CSRLinear, runs_in_csr, unpack_bitmask
 from tests.helpers import one_thread  # noqa: F401  (autouse: one torch thread)
 
@@ -140,7 +140,7 @@ def test_the_block_size_does_not_change_the_result(monkeypatch: pytest.MonkeyPat
     weight = sparse_weight((50, 30), 0.2)
     kept = weight != 0
     whole = CSRLinear.from_bitmask((50, 30), pack(kept), weight[kept])
-    monkeypatch.setattr(compact, "BLOCK", 64)  # two rows per block
+    monkeypatch.setattr(csr_linear, "BLOCK", 64)  # two rows per block
     blocked = CSRLinear.from_bitmask((50, 30), pack(kept), weight[kept])
     for name in ("crow_indices", "col_indices", "values"):
         assert torch.equal(getattr(whole, name), getattr(blocked, name))

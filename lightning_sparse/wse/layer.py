@@ -13,7 +13,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,16 +22,26 @@ from torch import Tensor, nn
 from lightning_sparse.core.algorithms import SparsityAlgorithm
 from lightning_sparse.wse import compact as compact_state
 from lightning_sparse.wse.autotune import resolve_path
-from lightning_sparse.wse.compact import CompactState
+from lightning_sparse.wse.compact import CompactLayers, CompactState
 from lightning_sparse.wse.counters import BackwardCounter
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.inference import FAST, MASK, FastInference, infer, infer_compact
 from lightning_sparse.wse.kernels import sparse_linear
 from lightning_sparse.wse.ops import DenseWeightGrad, run_compact_path
-from lightning_sparse.wse.stats import LayerMemory
+from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
-if TYPE_CHECKING:
-    from lightning_sparse.wse.executor import WSEExecutor
+
+class Executor(Protocol):
+    """What a layer reads from the `WSEExecutor` that runs it (a protocol, so this module does
+    not import the executor, which imports it)."""
+
+    path: str | None
+    stats: WSEStats
+    compact: CompactLayers | None
+
+    def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]: ...
+
+    def check_fallbacks(self) -> None: ...
 
 __all__ = ["CSR_DTYPES", "STATE", "LayerState", "csr_supported", "version_of", "warn_once"]
 
@@ -50,7 +60,7 @@ class LayerState:
     """
 
     def __init__(
-        self, executor: WSEExecutor, name: str, module: nn.Module, in_out: bool = False
+        self, executor: Executor, name: str, module: nn.Module, in_out: bool = False
     ) -> None:
         self.executor = executor
         self.name = name

@@ -1,4 +1,5 @@
-"""Zeroing pruned positions in place: the only per-step tensor work the package does.
+"""Zeroing pruned positions in place (the only per-step tensor work the package does), and the
+values a prune zeroed, kept to put back.
 
 Multiplying a float tensor by a bool mask would turn NaN/inf at pruned positions into NaN, and
 ``torch.where(mask, t, 0, out=t)`` runs as a slow scalar loop on CPU. Multiplying the tensor's
@@ -10,10 +11,13 @@ Multiplying a float tensor by a bool mask would turn NaN/inf at pruned positions
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["zero_pruned_", "zero_pruned_foreach_"]
+from .bitpack import pack_bits, unpack_bits
+
+__all__ = ["PrunedValues", "pruned_values", "zero_pruned_", "zero_pruned_foreach_"]
 
 _BITS = {
     torch.float32: torch.int32,
@@ -52,3 +56,40 @@ def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.
         return
     for t, mask in zip(tensors, masks, strict=True):
         zero_pruned_(t, mask)
+
+
+@dataclass
+class PrunedValues:
+    """Values pruning zeroed in a weight, to put back if the masks change before it is written.
+
+    ``positions``: packed bits (`bitpack`) of the zeroed positions; ``values``: their values in
+    order; both on the CPU. Valid for ``weight`` while its version counter is ``version``
+    (`seal`): a write since makes them stale.
+    """
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    weight: torch.Tensor | None = None
+    version: int = -1
+
+    def seal(self, weight: torch.Tensor, version: int) -> None:
+        """Bind to ``weight`` as pruned (its version counter now)."""
+        self.weight, self.version = weight, version
+
+    def put_back_(self, weight: torch.Tensor, local: torch.Tensor) -> None:
+        """Write the values back into ``local`` (``weight``'s tensor on this rank) unless the
+        weight was replaced or written since `seal`."""
+        if weight is not self.weight or local._version != self.version:
+            return
+        positions = unpack_bits(self.positions, local.shape).to(local.device)
+        local.data.masked_scatter_(positions, self.values.to(local.device))
+
+
+def pruned_values(weight: torch.Tensor, mask: torch.Tensor) -> PrunedValues | None:
+    """The entries of ``weight`` that pruning with ``mask`` zeroes: nonzero (or -0.0) ones at
+    pruned positions (one host sync); None if there are none."""
+    positions = ~mask & (weight.ne(0) | weight.signbit())
+    values = weight[positions]
+    if values.numel() == 0:
+        return None
+    return PrunedValues(pack_bits(positions).cpu(), values.cpu())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .algorithms.attach import owned_masks
+from .applied import owned_masks
 from .bitpack import unpack_bits
 from .masking import zero_pruned_
 from .sparse_parameter import as_mask, mask_buffer_name

@@ -1,7 +1,7 @@
 """Sparsity algorithms: one base, the algorithms as siblings over it, and the `Group` composite."""
 
+from ..applied import algorithms_of
 from ..validate import sparsity as validate_sparsity
-from .attach import algorithms_of
 from .base import DynamicSparsityAlgorithm, SparsityAlgorithm
 from .gmp import GMP
 from .granet import GraNet

@@ -21,12 +21,12 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from .. import applied
 from ..filters import (
     default_sparse_param_filter,
     dense_by_default_ids,
@@ -45,22 +45,15 @@ if TYPE_CHECKING:
     from .base import SparsityAlgorithm
 
 __all__ = [
-    "algorithms_of", "apply_model", "commit", "is_root_visit", "register", "select", "validate",
+    "apply_model", "commit", "is_root_visit", "register", "select", "validate",
 ]
 
 log = logging.getLogger("lightning_sparse")
-_APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
-
-
-def algorithms_of(model: nn.Module) -> list[SparsityAlgorithm]:
-    """The algorithms applied to ``model`` (Group members individually), in order of application."""
-    return list(_APPLIED.get(model, []))
 
 
 def unregister(algorithm: SparsityAlgorithm) -> None:
     """Forget ``algorithm`` in `algorithms_of` (it was removed)."""
-    if algorithm.root is not None and algorithm in _APPLIED.get(algorithm.root, []):
-        _APPLIED[algorithm.root].remove(algorithm)
+    applied.forget(algorithm.root, algorithm)
 
 
 def is_root_visit() -> bool:
@@ -117,16 +110,6 @@ def default_selects(candidate: Candidate, tied: set[int]) -> bool:
     return not is_dense_by_module(module, module_name, tied, param)
 
 
-def owned_masks() -> set[tuple[int, str]]:
-    """``(id(module), mask buffer name)`` of every mask an applied algorithm owns."""
-    return {
-        (id(sp.module), sp.mask_name)
-        for applied in list(_APPLIED.values())
-        for algorithm in applied
-        for sp in algorithm.sparse_params.values()
-    }
-
-
 def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
     """Raise, before anything is modified, if ``chosen`` cannot be sparsified by ``algorithm``."""
     if algorithm.root is not None:
@@ -135,7 +118,7 @@ def validate(algorithm: SparsityAlgorithm, chosen: list[Candidate]) -> None:
             "model (applying twice would stack masks)"
         )
     algorithm.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
-    owned = owned_masks()
+    owned = applied.owned_masks()
     orphans = []
     for name, module, attr, param in chosen:
         buffer = mask_buffer_name(attr)
@@ -250,7 +233,7 @@ def commit(algorithm: SparsityAlgorithm, root: nn.Module, sps: list[SparseParame
                 algorithm.ever_active[sp.name] = sp.mask.clone()
     algorithm.mask_targets = {sp.name: algorithm.initial_target(sp.name) for sp in sps}
     if sps:
-        _APPLIED.setdefault(root, []).append(algorithm)
+        applied.record(root, algorithm)
     algorithm.observers.emit_sparsity(algorithm)
 
 

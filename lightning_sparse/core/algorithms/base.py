@@ -116,7 +116,9 @@ class SparsityAlgorithm(ABC):
         self._current = ""  # the parameter update_mask works on (name_of)
         self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
-        self.hooks = StepHooks(self)
+        self.hooks = StepHooks(
+            self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
+        )
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
@@ -181,7 +183,7 @@ class SparsityAlgorithm(ABC):
             attach.apply_model(self, obj)
         elif isinstance(obj, torch.optim.Optimizer):
             attach.check_optimizer(self, obj)
-            self.hooks.attach_optimizer(obj)
+            self.hooks.attach_optimizer(obj, self._pre_step, self._post_step)
         else:
             raise TypeError(
                 f"{type(self).__name__}.apply expects an nn.Module or a torch.optim.Optimizer, got "
@@ -198,9 +200,23 @@ class SparsityAlgorithm(ABC):
         self.hooks.detach_optimizer(optimizer)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The work before ``optimizer.step()`` (see `per_step`); Lightning calls it from
-        ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
-        self.hooks.before_step(optimizer)
+        """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
+        the masks on update steps (if ``autoupdate``), prune (`per_step`). Lightning calls it
+        from ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
+        self.hooks.start_step()
+        if self.autoupdate:
+            self.update(optimizer)
+        self.hooks.sync(optimizer)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.lightning_driven:  # Lightning calls before_step itself, after backward
+            self.before_step(optimizer)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        optimizers = self.hooks.optimizers
+        if optimizers and optimizer is optimizers[-1]:  # the optimizer applied last counts
+            self.step += 1
+        self.hooks.after_step(optimizer)
 
     # ------------------------------------------------------------------ update
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -266,8 +282,6 @@ class SparsityAlgorithm(ABC):
     state_dict = checkpoint.algorithm_state
     load_state_dict = checkpoint.load_algorithm_state
     check_state_dict = checkpoint.check_algorithm_state  # changes nothing; works before apply
-    check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
-    model_loaded = checkpoint.model_loaded  # and its load post-hook
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""

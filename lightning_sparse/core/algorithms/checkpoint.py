@@ -20,132 +20,15 @@ loading passes); their algorithm states (no ``"masks"``) still load.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from ..bitpack import pack_bits, unpack_bits
 from ..sharding import full, local, shard_like
-from ..sparse_parameter import SparseParameter, as_mask
-from .attach import algorithms_of
 
 if TYPE_CHECKING:
     from .base import SparsityAlgorithm
-
-
-# ---------------------------------------------------------------------- a model state dict loads
-def mask_paths(root: nn.Module) -> dict[tuple[int, str], str]:
-    """``{(id(module), mask buffer name): state-dict key below root}`` for the masks' current
-    place: a wrapper that moved a layer (peft's ``q_proj`` -> ``q_proj.base_layer``) moves its
-    key, while the algorithm keeps the parameter names of ``apply``."""
-    return {
-        (id(module), buffer): f"{path}.{buffer}" if path else buffer
-        for path, module in root.named_modules(remove_duplicate=False)
-        for buffer in module._buffers
-        if buffer.endswith("_mask")
-    }
-
-
-def check_incoming_masks(
-    algorithm: SparsityAlgorithm,
-    root: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    *hook_args: Any,
-) -> None:
-    """The model's load pre-hook: take the ``*_mask`` entries of an earlier version's state dict.
-
-    Each entry for one of ``algorithm``'s parameters is checked (shape, 0/1) and moved out of
-    ``state_dict`` (torch passes a copy) into ``algorithm.hooks.incoming_masks``; the post-load
-    hook (`model_loaded`) makes it the mask. Raises ``ValueError``, before anything is loaded,
-    for a mask of the wrong shape, a non-0/1 mask, or a mask for a parameter that no algorithm
-    on ``root`` sparsifies.
-
-    Args:
-        algorithm: the algorithm whose masks are checked.
-        root: the module the algorithm was applied to (``state_dict`` keys start at it).
-        state_dict: the dict being loaded.
-        prefix: key prefix of ``root`` inside ``state_dict``.
-        hook_args: the rest of ``nn.Module``'s load pre-hook arguments (unused).
-    """
-    algorithm.hooks.incoming_masks = {}
-    paths = mask_paths(root)
-
-    def key_of(name: str, sp: SparseParameter) -> str:
-        return f"{prefix}{paths.get((id(sp.module), sp.mask_name), f'{name}_mask')}"
-
-    incoming = {}
-    fix = "the checkpoint was saved from a different model configuration"
-    for name, sp in algorithm.sparse_params.items():
-        key = key_of(name, sp)
-        if key in state_dict:
-            incoming[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
-    claimed = {key_of(n, sp) for a in (algorithms_of(root) or [algorithm])
-               for n, sp in a.sparse_params.items()}
-    params = {f"{prefix}{n}" for n, _ in root.named_parameters()}
-    foreign = [k for k in state_dict if k.startswith(prefix) and k.endswith("_mask")
-               and k[: -len("_mask")] in params and k not in claimed]
-    if foreign:
-        raise ValueError(
-            f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
-            "dense; include those parameters in param_filter, or drop the keys to load them dense"
-        )
-    for name, (key, mask) in incoming.items():
-        del state_dict[key]
-        algorithm.hooks.incoming_masks[name] = mask
-
-
-@dataclass
-class PrunedAtLoad:
-    """Weight values a model load zeroed at positions its mask prunes, for a sparsity state
-    loaded next (`model_loaded`). ``version``: the parameter's version counter after pruning
-    (a write since makes them stale)."""
-
-    param: torch.Tensor
-    version: int
-    positions: torch.Tensor  # packed bits of the zeroed positions (this rank's shard)
-    values: torch.Tensor  # their values, in order
-
-
-def model_loaded(algorithm: SparsityAlgorithm) -> None:
-    """After a model state dict loaded: adopt the masks it brought (`check_incoming_masks`),
-    keep aside the values pruning will zero where it brought none, then prune."""
-    incoming, algorithm.hooks.incoming_masks = algorithm.hooks.incoming_masks, {}
-    unpruned = algorithm.hooks.unpruned
-    with torch.no_grad():
-        for name, sp in algorithm.sparse_params.items():
-            unpruned.pop(name, None)
-            mask = incoming.get(name)
-            if mask is not None:
-                sp.mask.copy_(shard_like(mask.to(sp.mask.device), sp.mask))
-            else:
-                kept = _values_pruning_zeroes(sp)
-                if kept is not None:
-                    unpruned[name] = kept
-            sp.prune_()
-            if name in unpruned:
-                unpruned[name].version = local(sp.param)._version
-
-
-def _values_pruning_zeroes(sp: SparseParameter) -> PrunedAtLoad | None:
-    """The nonzero (or -0.0) weight entries at pruned positions (one host sync), or None."""
-    weight, mask = local(sp.param.detach()), local(sp.mask)
-    positions = ~mask & (weight.ne(0) | weight.signbit())
-    values = weight[positions]
-    if values.numel() == 0:
-        return None
-    return PrunedAtLoad(sp.param, 0, pack_bits(positions).cpu(), values.cpu())
-
-
-def _put_back_(sp: SparseParameter, kept: PrunedAtLoad | None) -> None:
-    """Write back the values a model load zeroed, unless the weight changed since."""
-    if kept is None or kept.param is not sp.param or kept.version != local(sp.param)._version:
-        return
-    weight = local(sp.param.data)
-    positions = unpack_bits(kept.positions, weight.shape).to(weight.device)
-    weight.masked_scatter_(positions, kept.values.to(weight.device))
 
 
 # ---------------------------------------------------------------------- the algorithm's state
@@ -332,11 +215,12 @@ def restore_algorithm_state(algorithm: SparsityAlgorithm, state: Mapping[str, An
         for name, sp in algorithm.sparse_params.items():
             if name not in masks and not removed:
                 continue  # an earlier version's state: the masks came with the model
-            _put_back_(sp, unpruned.get(name))
+            if name in unpruned:  # values a model load just zeroed that these masks may keep
+                unpruned[name].put_back_(sp.param, local(sp.param))
             if removed:
                 sp.mask.fill_(True)
             else:
                 sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
             sp.prune_()
     algorithm.mask_targets.update(targets)
-    algorithm.hooks.version += 1
+    algorithm.hooks.changed()

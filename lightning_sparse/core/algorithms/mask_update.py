@@ -39,7 +39,7 @@ def install_masks_(
             stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
     algorithm.last_update, algorithm.unlogged_update = stats, True
     algorithm.mask_targets.update({n: targets[n] for n in masks})
-    algorithm.hooks.version += 1  # gradients, weights and state are pruned again before the step
+    algorithm.hooks.changed()  # gradients, weights and state are pruned again before the step
     algorithm.observers.emit_sparsity(algorithm)
     algorithm.observers.emit_update(algorithm, algorithm.step, stats)
 

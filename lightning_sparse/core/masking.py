@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from .bitpack import pack_bits, unpack_bits
+from .sharding import full
 
-__all__ = ["PrunedValues", "pruned_values", "zero_pruned_", "zero_pruned_foreach_"]
+__all__ = ["PrunedValues", "all_finite", "pruned_values", "zero_pruned_", "zero_pruned_foreach_"]
 
 _BITS = {
     torch.float32: torch.int32,
@@ -93,3 +94,8 @@ def pruned_values(weight: torch.Tensor, mask: torch.Tensor) -> PrunedValues | No
     if values.numel() == 0:
         return None
     return PrunedValues(pack_bits(positions).cpu(), values.cpu())
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one host sync; a sharded tensor's whole)."""
+    return not tensors or bool(torch.stack([full(t.isfinite().all()) for t in tensors]).all())

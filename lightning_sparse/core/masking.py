@@ -18,7 +18,14 @@ import torch
 from .bitpack import pack_bits, unpack_bits
 from .sharding import full
 
-__all__ = ["PrunedValues", "all_finite", "pruned_values", "zero_pruned_", "zero_pruned_foreach_"]
+__all__ = [
+    "PrunedValues",
+    "all_finite",
+    "fill_pruned_foreach_",
+    "pruned_values",
+    "zero_pruned_",
+    "zero_pruned_foreach_",
+]
 
 _BITS = {
     torch.float32: torch.int32,
@@ -57,6 +64,28 @@ def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.
         return
     for t, mask in zip(tensors, masks, strict=True):
         zero_pruned_(t, mask)
+
+
+@torch.no_grad()
+def fill_pruned_foreach_(
+    tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], value: float
+) -> None:
+    """``t[~mask] = value`` in place for tensors that are exactly +0.0 where ``mask`` is False
+    (pruned): the bit pattern of ``value`` is added there, ``bits + K - K * mask`` (two fused
+    integer passes; ``masked_fill_`` and ``torch.where`` run as slow scalar loops on CPU)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t, mask in zip(tensors, masks, strict=True):
+        bits = _bits(t)
+        if bits is None:
+            t.masked_fill_(~mask, value)
+        else:
+            views, group_masks = groups.setdefault(t.dtype, ([], []))
+            views.append(bits)
+            group_masks.append(mask)
+    for dtype, (views, group_masks) in groups.items():
+        k = int(torch.tensor(value, dtype=dtype).view(_BITS[dtype]))
+        torch._foreach_add_(views, group_masks, alpha=-k)
+        torch._foreach_add_(views, k)
 
 
 @dataclass

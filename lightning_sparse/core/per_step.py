@@ -14,9 +14,13 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    state; the gradients the hook did not mask (``p.grad = g``, the dense gradient of an update);
    and, when masks or parameters changed (`version`), or the optimizer's state was loaded or
    grew, since its last step, the same-shape optimizer state.
-3. **after** ``optimizer.step()`` (`after_step`): nothing for optimizers whose update keeps zeros
-   where weight, gradient and state are 0 (`optimizer_state.state_keeps_zero`); the weights, and
-   the state, of any other.
+   Last (`hold_denominators`), for Adam and AdamW on the CPU: the pruned entries of ``exp_avg_sq``
+   hold 1.0 during the step. Their update is 0 either way (its numerator, ``exp_avg``, is 0
+   there), and ``torch.sqrt`` on the CPU is about 6x slower on exact zeros than on other values,
+   which made most of a sparse step's cost over dense.
+3. **after** ``optimizer.step()`` (`after_step`): the held denominators are exact zeros again;
+   nothing else for optimizers whose update keeps zeros where weight, gradient and state are 0
+   (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.
 4. **masks or tensors change** (`changed`; `rebind`: a parameter or mask replaced by
    ``load_state_dict(assign=True)``, ``setattr``, ``to_empty`` or ``.to()``): `version` moves, so
    the next `sync` prunes gradients and state with the masks as they are then.
@@ -39,8 +43,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .applied import mask_paths, owned_masks
-from .masking import PrunedValues, pruned_values, zero_pruned_, zero_pruned_foreach_
-from .optimizer_state import same_shape_state, state_keeps_zero
+from .masking import (
+    PrunedValues,
+    fill_pruned_foreach_,
+    pruned_values,
+    zero_pruned_,
+    zero_pruned_foreach_,
+)
+from .optimizer_state import same_shape_state, sqrt_state, state_keeps_zero
 from .sharding import local, shard_like
 from .sparse_parameter import SparseParameter, as_mask
 
@@ -75,6 +85,7 @@ class StepHooks:
         # optimizer id -> (version, number of parameters with state) when its state was pruned
         self._synced: dict[int, tuple[int, int]] = {}
         self._opted_out: set[int] = set()  # optimizers with same-shape state `requires_dense`
+        self._held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # 1.0 if pruned
         self._optimizers: dict[int, tuple[weakref.ref, list[RemovableHandle]]] = {}
         self._load_hooks: list[RemovableHandle] = []
         self.incoming: dict[str, torch.Tensor] = {}  # masks an old-layout state dict brought
@@ -116,7 +127,9 @@ class StepHooks:
         handles = [
             optimizer.register_step_pre_hook(_Hook(pre)),
             optimizer.register_step_post_hook(_Hook(post)),
-            optimizer.register_load_state_dict_post_hook(_Hook(lambda o: self._synced.pop(key))),
+            optimizer.register_load_state_dict_post_hook(_Hook(lambda _: self._state_loaded(key))),
+            # A state saved mid-step (by a step that raised) shows no held denominators.
+            optimizer.register_state_dict_pre_hook(_Hook(lambda _: self._release(key))),
         ]
         # Held weakly: an optimizer the user drops (a swap) is not kept alive with its state.
         self._optimizers[key] = (weakref.ref(optimizer, lambda _: self._forget(key)), handles)
@@ -135,7 +148,12 @@ class StepHooks:
                 handle.remove()
             self._forget(id(optimizer))
 
+    def _state_loaded(self, key: int) -> None:
+        self._release(key)  # the held tensors are no longer its state; prune the loaded state
+        self._synced.pop(key, None)
+
     def _forget(self, key: int) -> None:
+        self._release(key)
         self._optimizers.pop(key, None)
         self._synced.pop(key, None)
         self._opted_out.discard(key)
@@ -144,6 +162,8 @@ class StepHooks:
         """Remove every hook (optimizers, parameters, model loads)."""
         for optimizer in self.optimizers:
             self.detach_optimizer(optimizer)
+        for key in list(self._held):
+            self._release(key)
         for handle in [*self._grad_hooks.values(), *self._load_hooks]:
             handle.remove()
         self._grad_hooks, self._load_hooks, self._seen, self._masked = {}, [], {}, {}
@@ -179,6 +199,7 @@ class StepHooks:
         """Prune the weights, the gradients the hooks did not mask and, if anything changed
         since ``optimizer``'s last step (or ``force``), its same-shape state. A change: masks or
         parameters (`version`), its state loaded, or state added for another parameter."""
+        self._release(id(optimizer))  # a step that began but never finished (an error)
         sps = self.params_of(optimizer)
         now = (self.version, len(optimizer.state))
         changed = force or self._synced.get(id(optimizer)) != now
@@ -207,9 +228,26 @@ class StepHooks:
         else:
             self._opted_out.discard(id(optimizer))
 
+    def hold_denominators(self, optimizer: torch.optim.Optimizer) -> None:
+        """Right before ``optimizer.step()``, after `sync`: the pruned entries (exact zeros) of
+        the state its update divides by the square root of (`optimizer_state.sqrt_state`) hold
+        1.0 until `after_step`. Call it only where the step surely follows (a GradScaler that
+        may skip the step runs it after its own check, through the step pre-hook)."""
+        if id(optimizer) not in self._held:
+            tensors, masks = sqrt_state(optimizer, self.params_of(optimizer))
+            fill_pruned_foreach_(tensors, masks, 1.0)
+            self._held[id(optimizer)] = (tensors, masks)
+
+    def _release(self, key: int) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            zero_pruned_foreach_(*held)
+
     # ------------------------------------------------------------------ 3. after the step
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Prune weights and state again where ``optimizer``'s update can move a zero."""
+        """Zero the held denominators; prune weights and state again where ``optimizer``'s
+        update can move a zero."""
+        self._release(id(optimizer))
         if state_keeps_zero(optimizer) and id(optimizer) not in self._opted_out:
             return
         sps = self.params_of(optimizer)

@@ -369,6 +369,8 @@ class SparsityAlgorithm(ABC):
         if self.autoupdate:
             self.update(optimizer)
         self.hooks.sync(optimizer)
+        if not self.check_finite:  # under AMP a skipped step would leave them held
+            self.hooks.hold_denominators(optimizer)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if not self.lightning_driven:  # Lightning calls before_step itself, after backward

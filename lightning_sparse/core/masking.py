@@ -71,8 +71,8 @@ def fill_pruned_foreach_(
     tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], value: float
 ) -> None:
     """``t[~mask] = value`` in place for tensors that are exactly +0.0 where ``mask`` is False
-    (pruned): the bit pattern of ``value`` is added there, ``bits + K - K * mask`` (two fused
-    integer passes; ``masked_fill_`` and ``torch.where`` run as slow scalar loops on CPU)."""
+    (pruned): the bit pattern ``K`` of ``value`` is added there, ``bits + K * ~mask`` (one
+    integer pass; ``masked_fill_`` and ``torch.where`` run as slow scalar loops on CPU)."""
     groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for t, mask in zip(tensors, masks, strict=True):
         bits = _bits(t)
@@ -84,8 +84,7 @@ def fill_pruned_foreach_(
             group_masks.append(mask)
     for dtype, (views, group_masks) in groups.items():
         k = int(torch.tensor(value, dtype=dtype).view(_BITS[dtype]))
-        torch._foreach_add_(views, group_masks, alpha=-k)
-        torch._foreach_add_(views, k)
+        torch._foreach_add_(views, [~mask for mask in group_masks], alpha=k)
 
 
 @dataclass

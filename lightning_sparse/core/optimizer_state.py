@@ -47,7 +47,8 @@ _SQRT_STATE = {
 def sqrt_state(
     optimizer: torch.optim.Optimizer, sparse_params: Sequence[Any]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The CPU state tensors ``optimizer.step()`` takes the square root of, with their masks:
+    """The CPU state tensors ``optimizer.step()`` takes the square root of, with their masks
+    (plain tensors: a sharded ``DTensor`` is left alone):
     Adam's and AdamW's ``exp_avg_sq`` (and ``max_exp_avg_sq``), unless ``fused``. Empty for any
     other optimizer. ``torch.sqrt`` on the CPU is about 6x slower on exact zeros than on other
     values (torch 2.13; the fused kernel is not), and sparsity makes most entries exact zeros."""
@@ -59,7 +60,7 @@ def sqrt_state(
         state = optimizer.state.get(sp.param, {})
         for key in keys:
             value = state.get(key)
-            if torch.is_tensor(value) and value.device.type == "cpu" and not getattr(
+            if type(value) is torch.Tensor and value.device.type == "cpu" and not getattr(
                 value, "requires_dense", False
             ):
                 tensors.append(value)

@@ -42,7 +42,6 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .applied import mask_paths, owned_masks
 from .masking import (
     PrunedValues,
     fill_pruned_foreach_,
@@ -52,7 +51,8 @@ from .masking import (
 )
 from .optimizer_state import same_shape_state, sqrt_state, state_keeps_zero
 from .sharding import local, shard_like
-from .sparse_parameter import SparseParameter, as_mask
+from .sparse_parameter import SparseParameter
+from .state_dict import take_mask_entries
 
 __all__ = ["StepHooks", "state_keeps_zero"]
 
@@ -295,30 +295,9 @@ class StepHooks:
         self, root: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
         """The model's load pre-hook: an earlier version's ``*_mask`` entries for these masks are
-        checked (shape, 0/1) and taken out of ``state_dict`` (torch passes a copy) to become the
-        masks after the load. Raises ``ValueError`` before anything loads for a bad entry or for a
-        mask of a parameter no algorithm on ``root`` sparsifies."""
-        self.incoming = {}
-        paths = mask_paths(root)  # where each mask is now: a wrapper (peft) may have moved it
-        fix = "the checkpoint was saved from a different model configuration"
-        incoming = {}
-        for name, sp in self.sparse_params.items():
-            key = prefix + paths.get((id(sp.module), sp.mask_name), f"{name}_mask")
-            if key in state_dict:
-                incoming[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
-        claimed = {prefix + paths[k] for k in owned_masks(root) if k in paths}
-        params = {prefix + n for n, _ in root.named_parameters()}
-        foreign = [k for k in state_dict if k.startswith(prefix) and k.endswith("_mask")
-                   and k[: -len("_mask")] in params and k not in claimed]
-        if foreign:
-            raise ValueError(
-                f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
-                "dense; include those parameters in param_filter, or drop the keys to load them "
-                "dense"
-            )
-        for name, (key, mask) in incoming.items():
-            del state_dict[key]
-            self.incoming[name] = mask
+        checked and taken out of ``state_dict`` to become the masks after the load
+        (`state_dict.take_mask_entries`; it raises before anything loads)."""
+        self.incoming = take_mask_entries(state_dict, prefix, root, self.sparse_params)
 
     def after_model_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The model's load post-hook: follow assigned parameters, adopt incoming masks, keep the

@@ -52,7 +52,6 @@ from _harness import (
 
 from lightning_sparse import SET, RigL
 from lightning_sparse.core.algorithms import DynamicSparsityAlgorithm
-from lightning_sparse.core.algorithms.attach import select
 
 SPARSITY = 0.8
 DROP_FRACTION = 0.3
@@ -240,7 +239,7 @@ def main() -> None:
     batches = make_batches(cfg, args.warmup + args.steps, args.batch, args.seq, args.seed)
     print(machine_facts())
     model = build_model(cfg, args.seed)
-    n_sparse = sum(p.numel() for *_, p in select(make_algorithm("rigl"), model))
+    n_sparse = sum(p.numel() for *_, p in make_algorithm("rigl").select(model))
     print(
         f"model Llama preset {args.preset!r} ({model.num_params() / 1e6:.2f}M params, "
         f"{n_sparse / 1e6:.2f}M in the sparse weights), batch {args.batch} x seq {args.seq}, "

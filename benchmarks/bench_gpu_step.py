@@ -46,7 +46,6 @@ from _harness import (
 from torch import nn
 
 from lightning_sparse import RigL, SparsityAlgorithm, Static
-from lightning_sparse.core.algorithms.attach import select
 
 SPARSITY = 0.8
 DROP_FRACTION = 0.3
@@ -178,7 +177,7 @@ def main() -> None:
     print(machine_facts())
     print(gpu_facts())
     dense_model = build_model(cfg, args.seed).cuda()
-    n_sparse = sum(p.numel() for *_, p in select(make_algorithm("rigl"), dense_model))
+    n_sparse = sum(p.numel() for *_, p in make_algorithm("rigl").select(dense_model))
     print(
         f"model Llama dim {cfg.dim} x {cfg.n_layers} layers, vocab {cfg.vocab_size} "
         f"({dense_model.num_params() / 1e6:.1f}M params, {n_sparse / 1e6:.1f}M in the sparse "

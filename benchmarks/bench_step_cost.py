@@ -52,7 +52,6 @@ from _harness import (
 from torch import nn
 
 from lightning_sparse import Static
-from lightning_sparse.core.algorithms.attach import select
 from lightning_sparse.models.lit_lm import LitCausalLM
 
 SPARSITY = 0.8
@@ -62,7 +61,7 @@ Clock = Callable[[], float]
 
 def sparse_names(model: nn.Module) -> list[str]:
     """Names of the weights `Static` sparsifies by default (the Linear layers of the blocks)."""
-    return [name for name, *_ in select(Static(sparsity=SPARSITY), model)]
+    return [name for name, *_ in Static(sparsity=SPARSITY).select(model)]
 
 
 def zero_fraction(model: nn.Module, names: list[str]) -> float:

@@ -34,6 +34,7 @@ _LIGHTNING = (
     "GMP",
     "SET",
     "AtomicCheckpointIO",
+    "DropAndGrow",
     "DynamicSparsityAlgorithm",
     "FlopCounter",
     "GraNet",

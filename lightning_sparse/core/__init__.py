@@ -9,6 +9,7 @@ the package top level (``lightning_sparse.RigL``) are these classes made Lightni
 from .algorithms import (
     GMP,
     SET,
+    DropAndGrow,
     DynamicSparsityAlgorithm,
     GraNet,
     Group,
@@ -31,6 +32,7 @@ from .state_dict import checkpoint_masks, restore_masks, strip_masks
 __all__ = [
     "GMP",
     "SET",
+    "DropAndGrow",
     "DynamicSparsityAlgorithm",
     "GraNet",
     "Group",

@@ -1,4 +1,5 @@
-"""Zeroing pruned positions in place: the only per-step tensor work the package does.
+"""Zeroing pruned positions in place (the only per-step tensor work the package does), and the
+values a prune zeroed, kept to put back.
 
 Multiplying a float tensor by a bool mask would turn NaN/inf at pruned positions into NaN, and
 ``torch.where(mask, t, 0, out=t)`` runs as a slow scalar loop on CPU. Multiplying the tensor's
@@ -10,10 +11,21 @@ Multiplying a float tensor by a bool mask would turn NaN/inf at pruned positions
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["zero_pruned_", "zero_pruned_foreach_"]
+from .bitpack import pack_bits, unpack_bits
+from .sharding import full
+
+__all__ = [
+    "PrunedValues",
+    "all_finite",
+    "fill_pruned_foreach_",
+    "pruned_values",
+    "zero_pruned_",
+    "zero_pruned_foreach_",
+]
 
 _BITS = {
     torch.float32: torch.int32,
@@ -52,3 +64,66 @@ def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.
         return
     for t, mask in zip(tensors, masks, strict=True):
         zero_pruned_(t, mask)
+
+
+@torch.no_grad()
+def fill_pruned_foreach_(
+    tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor], value: float
+) -> None:
+    """``t[~mask] = value`` in place for tensors that are exactly +0.0 where ``mask`` is False
+    (pruned): the bit pattern ``K`` of ``value`` is added there, ``bits + K * ~mask`` (one
+    integer pass; ``masked_fill_`` and ``torch.where`` run as slow scalar loops on CPU)."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for t, mask in zip(tensors, masks, strict=True):
+        bits = _bits(t)
+        if bits is None:
+            t.masked_fill_(~mask, value)
+        else:
+            views, group_masks = groups.setdefault(t.dtype, ([], []))
+            views.append(bits)
+            group_masks.append(mask)
+    for dtype, (views, group_masks) in groups.items():
+        k = int(torch.tensor(value, dtype=dtype).view(_BITS[dtype]))
+        torch._foreach_add_(views, [~mask for mask in group_masks], alpha=k)
+
+
+@dataclass
+class PrunedValues:
+    """Values pruning zeroed in a weight, to put back if the masks change before it is written.
+
+    ``positions``: packed bits (`bitpack`) of the zeroed positions; ``values``: their values in
+    order; both on the CPU. Valid for ``weight`` while its version counter is ``version``
+    (`seal`): a write since makes them stale.
+    """
+
+    positions: torch.Tensor
+    values: torch.Tensor
+    weight: torch.Tensor | None = None
+    version: int = -1
+
+    def seal(self, weight: torch.Tensor, version: int) -> None:
+        """Bind to ``weight`` as pruned (its version counter now)."""
+        self.weight, self.version = weight, version
+
+    def put_back_(self, weight: torch.Tensor, local: torch.Tensor) -> None:
+        """Write the values back into ``local`` (``weight``'s tensor on this rank) unless the
+        weight was replaced or written since `seal`."""
+        if weight is not self.weight or local._version != self.version:
+            return
+        positions = unpack_bits(self.positions, local.shape).to(local.device)
+        local.data.masked_scatter_(positions, self.values.to(local.device))
+
+
+def pruned_values(weight: torch.Tensor, mask: torch.Tensor) -> PrunedValues | None:
+    """The entries of ``weight`` that pruning with ``mask`` zeroes: nonzero (or -0.0) ones at
+    pruned positions (one host sync); None if there are none."""
+    positions = ~mask & (weight.ne(0) | weight.signbit())
+    values = weight[positions]
+    if values.numel() == 0:
+        return None
+    return PrunedValues(pack_bits(positions).cpu(), values.cpu())
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every entry of every tensor is finite (one host sync; a sharded tensor's whole)."""
+    return not tensors or bool(torch.stack([full(t.isfinite().all()) for t in tensors]).all())

@@ -7,7 +7,7 @@ Kept apart from the algorithm so the algorithm's file holds its state and rules 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch.utils.hooks import RemovableHandle
@@ -43,32 +43,20 @@ class Observers:
         for hook in self.update.values():
             hook(algorithm, step, stats)
 
-    def emit_sparsity(self, algorithm: Any) -> None:
-        """Tell the sparsity hooks each parameter's target and actual sparsity."""
+    def emit_sparsity(
+        self, algorithm: Any, sparse_params: Mapping[str, Any], mask_target: Callable[[str], float]
+    ) -> None:
+        """Tell the sparsity hooks each parameter's target (``mask_target``) and actual sparsity
+        (``algorithm`` is passed through to the hooks)."""
         if not (self.target or self.computed):
             return
-        for name, sp in algorithm.sparse_params.items():
+        for name, sp in sparse_params.items():
             for hook in self.target.values():
-                hook(algorithm, name, algorithm.mask_target(name))
+                hook(algorithm, name, mask_target(name))
             if self.computed:
                 actual = 1.0 - sp.nnz / sp.mask.numel()
                 for hook in self.computed.values():
                     hook(algorithm, name, actual)
-
-    @staticmethod
-    def register_update_hook(algorithm: Any, hook: UpdateHook) -> RemovableHandle:
-        """``hook(algorithm, step, stats)`` after each mask update (see `UpdateHook`)."""
-        return Observers.add(algorithm.observers.update, hook)
-
-    @staticmethod
-    def register_target_sparsity_hook(algorithm: Any, hook: SparsityHook) -> RemovableHandle:
-        """``hook(algorithm, name, target: float)`` whenever masks are (re)computed."""
-        return Observers.add(algorithm.observers.target, hook)
-
-    @staticmethod
-    def register_computed_sparsity_hook(algorithm: Any, hook: SparsityHook) -> RemovableHandle:
-        """``hook(algorithm, name, actual: 0-d tensor)`` whenever masks are (re)computed."""
-        return Observers.add(algorithm.observers.computed, hook)
 
     def __getstate__(self) -> dict[str, Any]:
         # User hooks are often closures; copies of an algorithm start without observers.

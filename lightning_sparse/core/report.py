@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,18 +92,23 @@ def sparsity_report(model: nn.Module, masked_only: bool = False) -> SparsityRepo
     return SparsityReport(rows)
 
 
-def overall_sparsity(algorithm: Any) -> tuple[float, torch.Tensor]:
-    """(target, actual) over an algorithm's (or Group's) parameters, weighted by size.
+def overall_sparsity(
+    params: Mapping[str, Any], mask_target: Callable[[str], float]
+) -> tuple[float, torch.Tensor]:
+    """(target, actual) over sparse parameters, weighted by size.
+
+    Args:
+        params: ``{name: SparseParameter}`` (an algorithm's or a Group's).
+        mask_target: the sparsity each one's current mask was built for.
 
     Returns:
         The target as a float and the actual sparsity as a 0-d tensor (no host sync).
     """
-    params = algorithm.sparse_params
     if not params:
         return 0.0, torch.zeros(())
     sizes = {n: sp.mask.numel() for n, sp in params.items()}
     total = sum(sizes.values())
-    target = sum(algorithm.mask_target(n) * s for n, s in sizes.items()) / total
+    target = sum(mask_target(n) * s for n, s in sizes.items()) / total
     kept = torch.stack([sp.nnz for sp in params.values()]).sum()
     return target, 1.0 - kept / total
 

@@ -34,8 +34,6 @@ from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from lightning_sparse.core import Group, SparsityAlgorithm
-from lightning_sparse.core.algorithms.attach import select
-from lightning_sparse.core.algorithms.checkpoint import check_algorithm_state
 
 __all__ = ["STATE_FILE", "SparsityTrainerCallback"]
 
@@ -151,10 +149,10 @@ class SparsityTrainerCallback(TrainerCallback):
                     f"Group has {len(self.sparsity)}; resume with the same Group"
                 )
             for algorithm, state in zip(self.sparsity, states, strict=True):
-                check_algorithm_state(algorithm, state)
+                algorithm.check_state_dict(state)
         else:
-            chosen = select(self.sparsity, model)
-            check_algorithm_state(self.sparsity, saved["algorithm"])
+            chosen = self.sparsity.select(model)
+            self.sparsity.check_state_dict(saved["algorithm"])
         ours = {name: tuple(param.shape) for name, _, _, param in chosen}
         theirs = _saved_shapes(saved)
         if ours != theirs:

@@ -6,6 +6,7 @@ Imports the core and Lightning only (never the device or the app).
 from lightning_sparse.lightning.algorithms import (
     GMP,
     SET,
+    DropAndGrow,
     GraNet,
     Group,
     ModelZooSparsity,
@@ -29,6 +30,7 @@ __all__ = [
     "GMP",
     "SET",
     "AtomicCheckpointIO",
+    "DropAndGrow",
     "DynamicSparsityAlgorithm",
     "FlopCounter",
     "FlopSegment",

@@ -17,6 +17,7 @@ from lightning_sparse.lightning.callback import SparsityCallback
 __all__ = [
     "GMP",
     "SET",
+    "DropAndGrow",
     "GraNet",
     "Group",
     "ModelZooSparsity",
@@ -29,6 +30,10 @@ __all__ = [
 
 class SparsityAlgorithm(core.SparsityAlgorithm, SparsityCallback, register=False):
     __doc__ = core.SparsityAlgorithm.__doc__
+
+
+class DropAndGrow(core.DropAndGrow, SparsityCallback, register=False):
+    __doc__ = core.DropAndGrow.__doc__
 
 
 class Static(core.Static, SparsityCallback, register=False):

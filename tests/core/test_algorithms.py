@@ -38,12 +38,14 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_sparse import (
     GMP,
     SET,
+    DropAndGrow,
     DynamicSparsityAlgorithm,
     GraNet,
     RigL,
     SparsityAlgorithm,
     Static,
     configure,
+    core,
 )
 from lightning_sparse.core.configure import available_algorithms
 from lightning_sparse.core.rng import generator_for
@@ -240,6 +242,20 @@ def test_rigl_hand_case(
     assert float(s["itop"]) == pytest.approx(len(ever) / 8)
 
 
+def test_drop_and_grow_algorithms_share_one_constructor_and_differ_by_their_hooks() -> None:
+    """SET, RigL, GraNet and a user's algorithm are `DropAndGrow` with a grow score (and
+    GraNet's prune_to_target): the hand case drops |w| 0.1 and 0.3 of {0, 1, 2, 4, 7} and grows
+    the two highest scores outside {0, 2, 7}: positions 6 and 5."""
+    for cls in (SET, RigL, GraNet, GrowLast):
+        assert cls.__init__ is core.DropAndGrow.__init__, cls
+        assert cls.update_mask is core.DropAndGrow.update_mask, cls
+    assert [c.prune_to_target for c in (SET, RigL, GraNet)] == [False, False, True]
+    algorithm = GrowLast(0.375, update={"freq": 1}, drop_fraction=0.4, init_method=fixed_mask(M8))
+    model = hand_update(algorithm, W8, 1)
+    assert flat_set(model.weight_mask) == {0, 2, 5, 6, 7}
+    assert algorithm.config()["drop_fraction"] == "Constant(value=0.4)"
+
+
 def test_rigl_balanced_groups_hand_case() -> None:
     w = [[0.9, -0.1, 0.0, 0.0], [0.0, 0.3, 0.0, -0.7]]
     mask = as_mask([[1, 1, 0, 0], [0, 1, 0, 1]])
@@ -402,6 +418,13 @@ class KeepFirst(DynamicSparsityAlgorithm):
         return (torch.arange(p.numel(), device=p.device) < keep).reshape(p.shape)
 
 
+class GrowLast(DropAndGrow):
+    """A user drop-and-grow algorithm: one grow score (the last positions first), nothing else."""
+
+    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
+        return torch.arange(p.numel(), dtype=p.dtype, device=p.device).reshape(p.shape)
+
+
 CUBIC = {"type": "cubic", "init": 0.0, "final": 0.7, "begin": 0, "end": 8}
 CONTRACT: dict[str, Callable[[], SparsityAlgorithm]] = {
     "static": lambda: Static(0.6, seed=1),
@@ -414,6 +437,7 @@ CONTRACT: dict[str, Callable[[], SparsityAlgorithm]] = {
     ),
     "gmp": lambda: GMP(CUBIC, update={"freq": 2}),
     "granet": lambda: GraNet({**CUBIC, "init": 0.3}, update={"freq": 2}, drop_fraction=0.3),
+    "growlast": lambda: GrowLast(0.6, update={"freq": 2}, drop_fraction=0.3, seed=1),
     "keepfirst": lambda: KeepFirst(
         {"type": "linear", "init": 0.3, "slope": 0.04}, update={"freq": 3}
     ),
@@ -436,7 +460,7 @@ def make(name: str) -> SparsityAlgorithm:
 
 
 def test_contract_table_covers_the_registry() -> None:
-    assert {"static", "set", "rigl", "gmp", "granet", "keepfirst"} <= set(registered())
+    assert {"static", "set", "rigl", "gmp", "granet", "growlast", "keepfirst"} <= set(registered())
     missing = set(registered()) - set(CONTRACT)
     assert not missing, f"registered algorithms without a CONTRACT entry: {sorted(missing)}"
 

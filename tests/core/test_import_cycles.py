@@ -1,8 +1,9 @@
 """No import circle among lightning_sparse's modules, read from the source (AST): every import
 statement counts, the ones inside functions too (a lazy import still ties two modules together).
 
-`SCOPES` lists the packages checked; each is a parameter of the test. A circle is reported as the
-modules in order (``a -> b -> a``) with the line of each import.
+`SCOPES` lists the packages checked, each a parameter of the test, with the subpackages left out
+of it. A circle is reported as the modules in order (``a -> b -> a``) with the line of each
+import.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]  # the folder that holds lightning_sparse/
-# The packages whose modules must not import each other in a circle. lightning_sparse.app for
-# now; the whole package ("lightning_sparse") once the core's circle is removed.
-SCOPES = ["lightning_sparse.app"]
+# The packages whose modules must not import each other in a circle: {package: subpackages left
+# out}. The whole package; lightning_sparse.wse is left out while its rewrite (issue 18.5) removes
+# the circle wse/csr.py <-> wse/kernels.py: delete the exclusion then.
+SCOPES = {"lightning_sparse": ("lightning_sparse.wse",)}
 
 Graph = dict[str, dict[str, int]]  # module -> {module it imports: line of the first import}
 
@@ -59,8 +61,12 @@ def imported_modules(path: Path, root: Path, known: set[str]) -> dict[str, int]:
     return found
 
 
-def import_graph(root: Path, scope: str) -> Graph:
-    files = module_files(root, scope)
+def import_graph(root: Path, scope: str, exclude: tuple[str, ...] = ()) -> Graph:
+    files = {
+        name: path
+        for name, path in module_files(root, scope).items()
+        if not any(name == out or name.startswith(out + ".") for out in exclude)
+    }
     known = set(files)
     graph = {name: imported_modules(path, root, known) for name, path in files.items()}
     for name, imports in graph.items():
@@ -131,9 +137,9 @@ def describe(graph: Graph, circle: list[str]) -> str:
     return "  " + "\n  ".join(steps)
 
 
-@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("scope", sorted(SCOPES))
 def test_no_import_circle(scope: str) -> None:
-    graph = import_graph(ROOT, scope)
+    graph = import_graph(ROOT, scope, SCOPES[scope])
     assert len(graph) > 1, f"no modules found for {scope}"
     found = circles(graph)
     assert not found, f"import circles in {scope}:\n" + "\n".join(
@@ -168,3 +174,4 @@ def test_the_check_finds_circles_lazy_relative_and_through_packages(tmp_path: Pa
     ]
     assert "pkg.b (line 2) -> pkg.a" in describe(graph, found[1])
     assert circles(import_graph(tmp_path, "pkg.sub")) == [["pkg.sub.d", "pkg.sub.e", "pkg.sub.d"]]
+    assert circles(import_graph(tmp_path, "pkg", ("pkg.sub",))) == found[:2]  # left out

@@ -324,6 +324,34 @@ def test_group_glob_sees_full_names_under_model_apply() -> None:
     assert int(model[0].weight_mask.sum()) == int(0.5 * 32)
 
 
+def test_calling_the_sparsity_directly_or_in_a_nested_walk_acts_once_on_its_model() -> None:
+    """``sparsity(model)`` is ``sparsity.apply(model)``; ``model.apply(sparsity)`` run from inside
+    another ``model.apply`` walk acts on its own model, with names from it, once."""
+    direct, reference = nested_model(0), nested_model(0)
+    called, applied = make_static(), make_static()
+    called(direct)
+    applied.apply(reference)
+    assert list(called.sparse_params) == list(applied.sparse_params) == [
+        "0.0.weight",
+        "0.2.weight",
+        "2.weight",
+    ]
+    assert called.root is direct
+    outer = nested_model(1)
+    inner = make_static()
+    visits: list[nn.Module] = []
+
+    def visit(module: nn.Module) -> None:
+        visits.append(module)
+        if module is outer[0]:
+            module.apply(inner)  # a walk over the inner Sequential, inside the outer walk
+
+    outer.apply(visit)
+    assert len(visits) == 7 and inner.root is outer[0]  # 3 + 1 inner, 2 + 1 outer
+    assert list(inner.sparse_params) == ["0.weight", "2.weight"]
+    assert sorted(mask_buffers(outer)) == ["0.0.weight_mask", "0.2.weight_mask"]
+
+
 # ---------------------------------------------------------------------------- tied weights
 
 

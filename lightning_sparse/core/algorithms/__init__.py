@@ -1,8 +1,10 @@
-"""Sparsity algorithms: one base, the algorithms as siblings over it, and the `Group` composite."""
+"""Sparsity algorithms: one base, the algorithms over it (SET, RigL and GraNet through their shared
+`DropAndGrow`), and the `Group` composite."""
 
+from ..applied import algorithms_of
 from ..validate import sparsity as validate_sparsity
-from .attach import algorithms_of
 from .base import DynamicSparsityAlgorithm, SparsityAlgorithm
+from .drop_grow import DropAndGrow
 from .gmp import GMP
 from .granet import GraNet
 from .group import Group
@@ -15,6 +17,7 @@ __all__ = [
     "ALGORITHMS",
     "GMP",
     "SET",
+    "DropAndGrow",
     "DynamicSparsityAlgorithm",
     "GraNet",
     "Group",

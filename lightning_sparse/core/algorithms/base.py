@@ -5,14 +5,23 @@ sparsity schedule, an update cadence (Cerebras: ``{"freq", "start", "stop"}``, s
 ``{"steps": [...]}``; a callable; ``None`` = every step; training starts sparse when step 0 is an
 update step), the initial mask, the layer distribution and the structure (shaper). ``step``
 counts completed optimizer steps; the update for step ``t`` runs after its gradients are
-accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1). Elsewhere: the per-step
-path (`per_step`), apply (`attach`), checkpoints (`checkpoint`), observers (`observers`).
+accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1).
+
+The class reads top to bottom as the algorithm's life: the schedule (which steps update, to what
+sparsity), ``apply`` (a model: select, check, build masks, attach, prune, all or nothing; an
+optimizer: its step hooks), the step (``before_step``: ``update``; after it: ``step += 1``),
+checkpoints (``state_dict`` / ``load_state_dict``) and ``remove``. What it calls is pure
+(`selection`, `apply_checks`, `saved_state`, `masking`) or the per-step path (`per_step`), which
+keeps pruned entries at exactly 0 between the moments decided here.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
+import sys
+import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
@@ -20,31 +29,39 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from .. import report, validate
+from .. import applied, report, validate
+from ..apply_checks import check_candidates, check_mask, check_optimizer, check_shaper
+from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
-from ..filters import ParamFilter, make_param_filter
+from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
-from ..layouts import as_out_in
-from ..observers import Observers
+from ..layouts import as_out_in, is_in_out
+from ..masking import all_finite
+from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
-from ..rng import generator_for
+from ..rng import generator_for, resolve_seed
+from ..saved_state import Expected, check_state, saved_masks, saved_targets
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
     UpdateSpec,
     bind,
     evaluate,
+    first_undefined_use,
     make_update_schedule,
+    steps_to_check,
 )
-from ..selection import Candidate
+from ..selection import Candidate, select
 from ..shapers import Shaper, Unstructured
-from ..sharding import full, is_sharded, shard_like
-from . import attach, checkpoint, mask_update, ranges
+from ..sharding import full, is_sharded, local, shard_like
+from ..sparse_parameter import SparseParameter
 from .registry import register_algorithm
 
-__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
+__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm", "model_apply_visits_child"]
 
+log = logging.getLogger("lightning_sparse")
 _counter = itertools.count()
 
 
@@ -94,7 +111,7 @@ class SparsityAlgorithm(ABC):
         self.param_filter = make_param_filter(param_filter)
         self.seed = validate.seed(seed)
         self.seed_given = seed is not None
-        self.shaper = attach.check_shaper(shaper) if shaper is not None else Unstructured()
+        self.shaper = check_shaper(shaper) if shaper is not None else Unstructured()
         self.layers = LayerSparsity(distribution, erk_power_scale)
         self.track_itop = bool(track_itop)
         self.name = f"sparsity_{type(self).__name__.lower()}_{next(_counter)}"
@@ -103,20 +120,22 @@ class SparsityAlgorithm(ABC):
         self.lightning_driven = False  # set by the Lightning layer: it calls before_step itself
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
-        self.sparse_params: OrderedDict[str, Any] = OrderedDict()  # name -> SparseParameter
+        self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
         self.ever_active: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, dict[str, torch.Tensor]] = {}
         self.unlogged_update = False
         self.last_update_step = -1
-        self.mask_targets: dict[str, float] = {}
+        self.mask_targets: dict[str, float] = {}  # the sparsity each current mask was built for
         self.removed = False  # remove() ran (densify): its state prunes nothing when loaded
-        # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `attach.validate`. The
+        # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `check_candidates`. The
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
         self._current = ""  # the parameter update_mask works on (name_of)
         self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
-        self.hooks = StepHooks(self)
+        self.hooks = StepHooks(
+            self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
+        )
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
@@ -127,11 +146,6 @@ class SparsityAlgorithm(ABC):
     def milestones(self) -> tuple[int, ...]:
         """Steps that are update steps whatever the cadence (none by default)."""
         return ()
-
-    # Range checks of the schedules (`ranges.py`): at build, at setup, at every use.
-    check_range = ranges.check_range
-    drop_fraction_at = ranges.drop_fraction_at
-    horizon = ranges.horizon
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -161,32 +175,181 @@ class SparsityAlgorithm(ABC):
         """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
         return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
 
-    initial_mask = attach.initial_mask
+    def drop_fraction_at(self, step: int) -> float:
+        """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
+        value = evaluate(self.drop_fraction, step, "drop_fraction")
+        return validate.drop_fraction(value, step=step, schedule=self.drop_fraction)
 
-    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
-        """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
-        return [self.initial_mask(name, param) for name, _, _, param in chosen]
+    def horizon(self) -> int:
+        """The last step known without the run's length: the cadence's or the ramp's end (the
+        Lightning layer checks up to ``max_steps``; each value is checked again when used)."""
+        last = self.update_schedule.last()
+        return last if last is not None else max((*self.sparsity.milestones(), 0))
+
+    def check_range(self, horizon: int) -> None:
+        """Check every scheduled value used in steps ``[0, horizon]``, in range and finite, and
+        that no schedule overflows at any later update step (an ``Exp`` with gamma > 0): run when
+        built, by the Lightning layer up to ``max_steps``, and on every value when used."""
+        extra = (0, *self.milestones())
+        for step in steps_to_check(self.update_schedule, horizon, extra):
+            value = evaluate(self.sparsity, step, "sparsity")
+            validate.sparsity(value, step=step, schedule=self.sparsity)
+            if self.drop_fraction is not None:
+                self.drop_fraction_at(step)
+        for what, schedule in (("sparsity", self.sparsity), ("drop_fraction", self.drop_fraction)):
+            step = None if schedule is None else first_undefined_use(
+                schedule, self.update_schedule, extra
+            )
+            if step is not None:
+                evaluate(schedule, step, what)  # raises naming the step (the overflow)
 
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
-        """``model.apply(sparsity)``: torch calls this per submodule, root last; only the root's
-        call acts (`attach.is_root_visit`), so filters see full names."""
-        if attach.is_root_visit():
+        """``model.apply(sparsity)``: torch calls this on every submodule, the model last; only
+        the model's call acts (`model_apply_visits_child`), so filters see full names."""
+        if not model_apply_visits_child():
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
         """Sparsify a model (masks, pruning; all or nothing) or an optimizer (its step hooks;
         the optimizer applied last advances ``step``)."""
         if isinstance(obj, nn.Module):
-            attach.apply_model(self, obj)
+            self._apply_model(obj)
         elif isinstance(obj, torch.optim.Optimizer):
-            attach.check_optimizer(self, obj)
-            self.hooks.attach_optimizer(obj)
+            check_optimizer(self.name, self.root, obj, self.hooks.optimizers)
+            self.hooks.attach_optimizer(obj, self._pre_step, self._post_step)
         else:
             raise TypeError(
                 f"{type(self).__name__}.apply expects an nn.Module or a torch.optim.Optimizer, got "
                 f"{type(obj).__name__}"
             )
+
+    def _apply_model(self, root: nn.Module) -> None:
+        """Select, check, build the masks, then attach; a failure leaves the model and this
+        algorithm's settings as they were."""
+        chosen = self.select(root)
+        if not chosen:
+            warnings.warn(
+                f"{self.name}: no parameter of {type(root).__name__} matched the parameter "
+                "filter, so nothing was sparsified; check param_filter against "
+                "model.named_parameters()",
+                stacklevel=4,
+            )
+        before = self.settings()
+        try:
+            self.check_candidates(chosen)
+            self.seed = resolve_seed(self.seed)
+            sps = self.attach(root, chosen, self.initial_masks(chosen))
+        except BaseException:
+            self.restore_settings(before)
+            raise
+        self.commit(root, sps)
+
+    # The phases of `apply(model)`, also run by `Group` across its members: nothing changes the
+    # model before `attach`, and `attach` is undone (`detach`) until `commit` prunes.
+    def select(self, root: nn.Module) -> list[Candidate]:
+        """The parameters of ``root`` this algorithm's filter picks, in registration order;
+        warns of glob patterns that select nothing and of frozen weights left dense."""
+        found = select(root, self.param_filter)
+        for message in unselected_patterns(self.name, self.param_filter, found.names):
+            warnings.warn(message, stacklevel=4)  # a typo in one glob of a list
+        if found.frozen:
+            log.warning(frozen_left_dense(self.name, found.frozen))
+        return found.chosen
+
+    def check_candidates(self, chosen: list[Candidate]) -> None:
+        """Raise, before anything is modified, unless ``chosen`` can be sparsified (dtype,
+        shaper fit, masks of another algorithm, `apply_checks`); records their layouts and
+        shapes (undone by `restore_settings`)."""
+        if self.root is not None:
+            raise RuntimeError(
+                f"{self.name} is already applied to a model; create a new algorithm object per "
+                "model (applying twice would stack masks)"
+            )
+        self.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
+        orphans = check_candidates(
+            chosen,
+            owner=self.name,
+            shaper=self.shaper,
+            in_out=self.in_out_params,
+            filtered=self.param_filter is not None,
+            owned=applied.owned_masks(),
+        )
+        self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
+        self.check_range(self.horizon())
+        if orphans:
+            log.info("%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from "
+                     "a checkpoint or copied): replaced by this algorithm's initial masks (%s)",
+                     self.name, len(orphans), orphans[0],
+                     getattr(self.init_method, "__name__", self.init_method))
+
+    def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
+        training starts dense (step 0 is not an update step)."""
+        if not self.starts_sparse:
+            return torch.ones_like(param, dtype=torch.bool)
+        generator = generator_for(self.seed, 0, name, param.device)
+        dense = full(param.detach())
+        in_out = name in self.in_out_params  # GPT-2 Conv1D: shapers see [out, in]
+        view = dense.t() if in_out else dense
+        mask = self.init_method(
+            view, self.initial_target(name), generator=generator, shaper=self.shaper
+        )
+        mask = check_mask(mask, view, name, self.init_method)
+        return shard_like(mask.t().contiguous() if in_out else mask, param)
+
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
+        """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
+        return [self.initial_mask(name, param) for name, _, _, param in chosen]
+
+    def attach(
+        self, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
+    ) -> list[SparseParameter]:
+        """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
+        raise. Reversible (`detach`) until `commit` prunes."""
+        sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
+        replaced = {sp.name: sp.mask for sp in sps if sp.has_mask}  # masks no algorithm owns
+        try:
+            for sp, mask in zip(sps, masks, strict=True):
+                sp.register_mask(mask)
+            self.hooks.install(root, sps)
+        except BaseException:
+            self.detach(sps)
+            for sp in sps:
+                if sp.name in replaced:
+                    sp.register_mask(replaced[sp.name])
+            raise
+        return sps
+
+    def detach(self, sps: list[SparseParameter]) -> None:
+        """Undo `attach`."""
+        self.hooks.remove()
+        for sp in sps:
+            sp.remove_mask()
+
+    def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
+        """Prune the attached parameters: from here this algorithm owns them."""
+        self.root = root
+        self.sparse_params.update((sp.name, sp) for sp in sps)
+        with torch.no_grad():
+            for sp in sps:
+                sp.prune_()
+                if self.track_itop:
+                    self.ever_active[sp.name] = sp.mask.clone()
+        self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
+        if sps:
+            applied.record(root, self)
+        self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
+
+    def settings(self) -> tuple[Any, ...]:
+        """What checking and seeding set before the masks exist: the seed, the [in, out]
+        parameters and the layer shapes (`restore_settings` undoes a refused apply)."""
+        return self.seed, self.in_out_params, dict(self.layers.shapes)
+
+    def restore_settings(self, settings: tuple[Any, ...]) -> None:
+        """Undo what a refused ``apply`` set (`settings`)."""
+        self.seed, self.in_out_params, shapes = settings
+        self.layers.set_shapes(shapes)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -197,25 +360,42 @@ class SparsityAlgorithm(ABC):
         """Remove this algorithm's hooks from ``optimizer`` (e.g. one a new fit replaced)."""
         self.hooks.detach_optimizer(optimizer)
 
+    # ------------------------------------------------------------------ the step
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The work before ``optimizer.step()`` (see `per_step`); Lightning calls it from
-        ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
-        self.hooks.before_step(optimizer)
+        """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
+        the masks on update steps (if ``autoupdate``), prune (`per_step`). Lightning calls it
+        from ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
+        self.hooks.start_step()
+        if self.autoupdate:
+            self.update(optimizer)
+        self.hooks.sync(optimizer)
+        if not self.check_finite:  # under AMP a skipped step would leave them held
+            self.hooks.hold_denominators(optimizer)
 
-    # ------------------------------------------------------------------ update
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if not self.lightning_driven:  # Lightning calls before_step itself, after backward
+            self.before_step(optimizer)
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        optimizers = self.hooks.optimizers
+        if optimizers and optimizer is optimizers[-1]:  # the optimizer applied last counts
+            self.step += 1
+        self.hooks.after_step(optimizer)
+
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Recompute the masks on update steps (once per step), before the optimizer step. In a
         plain loop that clips gradients, call it before clipping on update steps."""
         due = self.sparse_params and self.last_update_step != self.step and self.is_update_step()
         if not due:
             return
-        if self.check_finite and not mask_update.grads_finite(self.sparse_params):
+        grads = [sp.param.grad for sp in self.sparse_params.values()]
+        if self.check_finite and not all_finite([g for g in grads if g is not None]):
             return  # AMP skips this step; the step counter does not advance, retry next time
         with torch.no_grad():
             targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             masks = self.compute_masks(targets)
         self.last_update_step = self.step
-        mask_update.install_masks_(self, masks, targets)
+        self._install(masks, targets)
         if optimizer is None:  # called by hand: mask the gradients for clipping now
             for opt in self.hooks.optimizers:
                 self.hooks.sync(opt)
@@ -238,6 +418,32 @@ class SparsityAlgorithm(ABC):
             masks[name] = shard_like(new.t().contiguous() if flip else new, param)
         return masks
 
+    def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
+        """Copy ``masks`` into the mask buffers, prune the weights, record ``dropped`` /
+        ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host sync) and tell
+        the observers; gradients and optimizer state are pruned again before the step."""
+        stats: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
+            for name, mask in masks.items():
+                sp = self.sparse_params[name]
+                old = sp.mask
+                stats[name] = {
+                    "dropped": full((old & ~mask).count_nonzero()),
+                    "grown": full((mask & ~old).count_nonzero()),
+                }
+                old.copy_(mask)
+                sp.prune_()
+                ever = self.ever_active.get(name)
+                if ever is not None:
+                    ever |= mask
+                    stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
+                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+        self.last_update, self.unlogged_update = stats, True
+        self.mask_targets.update({n: targets[n] for n in masks})
+        self.hooks.changed()
+        self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
+        self.observers.emit_update(self, self.step, stats)
+
     def name_of(self, p: torch.Tensor) -> str:
         """Full name of the parameter ``update_mask`` is working on."""
         return self._current
@@ -246,35 +452,116 @@ class SparsityAlgorithm(ABC):
         """Random stream for ``p`` at this step: the same on every rank and after a resume."""
         return generator_for(self.seed, self.step, self.name_of(p), p.device)
 
+    # ------------------------------------------------------------------ reports and observers
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was built for."""
         return self.mask_targets[name]
+
+    def overall_sparsity(self) -> tuple[float, torch.Tensor]:
+        """(target, actual) over the sparse parameters, weighted by size (actual: 0-d tensor)."""
+        return report.overall_sparsity(self.sparse_params, self.mask_target)
 
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
         return report.itop_rate(self.ever_active)
 
-    # Observers (Cerebras' sparsity hooks) and reports: shared with Group, defined once.
-    register_update_hook = Observers.register_update_hook
-    register_target_sparsity_hook = Observers.register_target_sparsity_hook
-    register_computed_sparsity_hook = Observers.register_computed_sparsity_hook
-    overall_sparsity = report.overall_sparsity
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """``hook(algorithm, step, stats)`` after each mask update (`observers.UpdateHook`)."""
+        return Observers.add(self.observers.update, hook)
 
-    # Checkpoints (`checkpoint.py`): step, seed, identity and the masks (packed bits); the
-    # mask buffers are non-persistent, so model.state_dict() holds the pruned weights only.
-    config = checkpoint.algorithm_config
-    state_dict = checkpoint.algorithm_state
-    load_state_dict = checkpoint.load_algorithm_state
-    check_state_dict = checkpoint.check_algorithm_state  # changes nothing; works before apply
-    check_incoming_state = checkpoint.check_incoming_masks  # the model's load pre-hook
-    model_loaded = checkpoint.model_loaded  # and its load post-hook
+    def register_target_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, target: float)`` whenever masks are (re)computed."""
+        return Observers.add(self.observers.target, hook)
+
+    def register_computed_sparsity_hook(self, hook: SparsityHook) -> RemovableHandle:
+        """``hook(algorithm, name, actual: 0-d tensor)`` whenever masks are (re)computed."""
+        return Observers.add(self.observers.computed, hook)
+
+    # ------------------------------------------------------------------ checkpoints
+    def config(self) -> dict[str, str]:
+        """What a checkpoint must agree on to be resumed (reprs stable across processes)."""
+        drop = self.drop_fraction
+        return {
+            "sparsity": repr(self.sparsity),
+            "update": repr(self.update_schedule),
+            "shaper": repr(self.shaper),
+            "distribution": self.layers.name,
+            **({"drop_fraction": repr(drop)} if drop is not None else {}),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain Python values and tensors, loadable with ``torch.load(weights_only=True)``
+        (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
+        ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
+        are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
+        params = self.sparse_params
+        state: dict[str, Any] = {
+            "step": self.step,
+            "last_update_step": self.last_update_step,
+            "seed": self.seed,
+            "algorithm": type(self).__name__.lower(),
+            "params": {name: list(sp.mask.shape) for name, sp in params.items()},
+            "config": self.config(),
+            "masks": {name: pack_bits(full(sp.mask)).cpu() for name, sp in params.items()},
+            "removed": self.removed,
+        }
+        if self.ever_active:
+            state["ever_active"] = {n: m.clone() for n, m in self.ever_active.items()}
+        return state
+
+    def check_state_dict(self, state: Any, loading: bool = False) -> None:
+        """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
+        works before ``apply`` (masks are then checked against the shapes the state records)."""
+        expected = Expected(
+            owner=self.name,
+            kind=type(self).__name__.lower(),
+            shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
+            config=self.config(),
+            seed=self.seed,
+            seed_given=self.seed_given,
+            ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
+            applied=self.root is not None,
+        )
+        check_state(state, expected, self.target_sparsity, loading=loading)
+
+    def load_state_dict(self, state: Any) -> None:
+        """Check ``state`` completely (another algorithm, other parameters, shapes or
+        hyper-parameters, a different explicit seed, a corrupt mask: ``ValueError`` /
+        ``KeyError`` / ``TypeError``, nothing changed), then restore it: the counters and seed,
+        the masks in place (all ones for a removed algorithm's state, VariableSPDF's dense stage),
+        the values a model load just zeroed that these masks keep, then prune; gradients and
+        optimizer state are pruned before the next step."""
+        self.check_state_dict(state, loading=True)
+        targets = saved_targets(state, list(self.sparse_params), self.target_sparsity, self.name)
+        masks = saved_masks(state, self.name)
+        removed = bool(state.get("removed"))
+        self.step = state["step"]
+        self.last_update_step = state.get("last_update_step", -1)
+        self.seed = state.get("seed", self.seed)
+        for name, mask in state.get("ever_active", {}).items():
+            if name in self.ever_active:
+                self.ever_active[name].copy_(mask)
+        unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
+        with torch.no_grad():
+            for name, sp in self.sparse_params.items():
+                if name not in masks and not removed:
+                    continue  # an earlier version's state: the masks came with the model
+                if name in unpruned:
+                    unpruned[name].put_back_(sp.param, local(sp.param))
+                if removed:
+                    sp.mask.fill_(True)
+                else:
+                    sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
+                sp.prune_()
+        self.mask_targets.update(targets)
+        self.hooks.changed()
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""
         self.hooks.remove()
         for sp in self.sparse_params.values():
             sp.remove_mask()
-        attach.unregister(self)
+        applied.forget(self.root, self)
         self.sparse_params.clear()
         self.removed = True
 
@@ -284,3 +571,22 @@ class SparsityAlgorithm(ABC):
 
 DynamicSparsityAlgorithm = SparsityAlgorithm
 """The name earlier versions gave the base of dynamic algorithms; one base serves all now."""
+
+
+def model_apply_visits_child() -> bool:
+    """Whether the caller (an algorithm's ``__call__``) runs inside ``model.apply`` for a module
+    below the one ``model.apply`` was called on.
+
+    ``model.apply(fn)`` calls ``fn`` on every submodule, children first and the model last, and
+    gives ``fn`` no other sign of which call is the model's. No rule over the calls seen so far can
+    tell: after the calls for ``Sequential(Linear)``'s walk, the walk of
+    ``Sequential(Sequential(Linear))`` has made the same calls and one is still to come, and
+    acting early would prune under names (``"0.weight"`` for ``"0.0.weight"``) whose masks differ,
+    which only a copy of the weights could undo. The interpreter's stack does tell: the call is a
+    child's when ``Module.apply`` called it from inside another ``Module.apply``.
+    """
+    caller = sys._getframe(2)  # 0: here, 1: __call__, 2: who called __call__
+    if caller.f_code is not nn.Module.apply.__code__:
+        return False  # called directly: sparsity(model)
+    outer = caller.f_back
+    return outer is not None and outer.f_code is nn.Module.apply.__code__

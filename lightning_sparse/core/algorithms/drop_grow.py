@@ -1,11 +1,61 @@
-"""The drop-and-grow step SET, RigL and GraNet share, in the shaper's ``[groups, n]`` view."""
+"""`DropAndGrow`: the rule and the constructor SET, RigL and GraNet share.
+
+At each update the smallest-|w| ``drop_fraction`` of the active weights is dropped and as many
+are grown back where ``grow_score`` is highest (Mocanu et al. 2018; Evci et al. 2020). An
+algorithm is its grow score (`set.py`: random; `rigl.py`: |dense gradient|) plus, for GraNet
+(`granet.py`), ``prune_to_target``: its schedule rises, so the surplus above the new target is
+dropped first. The counts, per row of the shaper's ``[groups, n]`` view, are
+`shaped_drop_and_grow`'s.
+"""
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from typing import Any, ClassVar
+
 import torch
 
+from .. import validate
 from ..mask_ops import drop_and_grow, drop_and_grow_random
+from ..schedules import ScheduleSpec, bind
 from ..shapers import Shaper
+from .base import SparsityAlgorithm
+
+__all__ = ["DropAndGrow", "dense_grad_score", "shaped_drop_and_grow"]
+
+
+class DropAndGrow(SparsityAlgorithm):
+    """Drop the smallest-|w| ``drop_fraction`` of active weights; grow as many by `grow_score`.
+
+    Args:
+        sparsity: target sparsity or schedule (see ``SparsityAlgorithm``).
+        drop_fraction: share of active weights replaced per update, in [0, 1]; a float or a
+            schedule (e.g. ``{"type": "cosine", "init": 0.3, "half_period": 3584}``).
+        **kwargs: see ``SparsityAlgorithm`` (``update``, ``init_method``, ``shaper``, ...).
+    """
+
+    prune_to_target: ClassVar[bool] = False  # GraNet: drop the surplus above the target first
+
+    def __init__(
+        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+    ) -> None:
+        super().__init__(sparsity, **kwargs)
+        self.drop_fraction = bind(
+            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
+        )
+        self.check_range(self.horizon())
+
+    @abstractmethod
+    def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
+        """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
+        (uniformly at random)."""
+
+    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+        """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""
+        drop = self.drop_fraction_at(self.step)
+        return shaped_drop_and_grow(
+            self.shaper, p, self.grow_score(p), mask, sparsity, drop, self.prune_to_target
+        )
 
 
 def shaped_drop_and_grow(

@@ -9,32 +9,24 @@ by dense-gradient magnitude. Like GMP it updates at the ramp's end whatever the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from .. import validate
-from ..schedules import ScheduleSpec, bind, evaluate, steps_to_check
-from .base import SparsityAlgorithm
-from .drop_grow import dense_grad_score, shaped_drop_and_grow
+from ..schedules import evaluate, steps_to_check
+from .drop_grow import DropAndGrow, dense_grad_score
 
 __all__ = ["GraNet"]
 
 
-class GraNet(SparsityAlgorithm):
+class GraNet(DropAndGrow):
     """Arguments as ``RigL``; ``sparsity`` is normally ``{"type": "cubic", "init": s_i,
     "final": s_f, "begin": t0, "end": t1}`` and must not decrease."""
 
     needs_dense_grad = True
+    prune_to_target = True  # the schedule rises: drop the surplus above the new target first
 
-    def __init__(
-        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
-    ) -> None:
-        super().__init__(sparsity, **kwargs)
-        self.drop_fraction = bind(
-            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
-        )
-        self.check_range(self.horizon())
+    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
+        """RigL's: ``|dense gradient|``."""
+        return dense_grad_score(p, self.name_of(p))
 
     def milestones(self) -> tuple[int, ...]:
         """The ramp's end, so the final sparsity is reached whatever the cadence."""
@@ -53,11 +45,3 @@ class GraNet(SparsityAlgorithm):
                     f"to {v1:g} (step {s1}); GraNet needs a nondecreasing schedule such as cubic "
                     "from init to final (use RigL for a schedule that goes down)"
                 )
-
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """Prune the surplus to ``sparsity`` by ``|p|``, then drop and regrow by ``|grad|``."""
-        drop = self.drop_fraction_at(self.step)
-        grow = dense_grad_score(p, self.name_of(p))
-        return shaped_drop_and_grow(
-            self.shaper, p, grow, mask, sparsity, drop, prune_to_target=True
-        )

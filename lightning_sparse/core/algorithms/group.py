@@ -23,18 +23,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..filters import (
-    ParamFilter,
-    PatternFilter,
-    dense_by_default_ids,
-    make_param_filter,
-    unselected_patterns,
-)
+from .. import report
+from ..filters import ParamFilter, PatternFilter, make_param_filter, unselected_patterns
 from ..observers import SparsityHook, UpdateHook
 from ..rng import resolve_seed
-from ..selection import Candidate, candidates, tied_parameter_ids
-from . import attach, checkpoint
-from .base import SparsityAlgorithm
+from ..selection import Candidate, candidates, default_dense_ids, default_selects
+from .base import SparsityAlgorithm, model_apply_visits_child
 
 __all__ = ["Group"]
 
@@ -96,8 +90,8 @@ class Group:
 
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
-        """``model.apply(group)``: acts on the root's visit only."""
-        if attach.is_root_visit():
+        """``model.apply(group)``: acts on the model's call only (`model_apply_visits_child`)."""
+        if not model_apply_visits_child():
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
@@ -118,30 +112,30 @@ class Group:
         if self.root is not None:
             raise RuntimeError(f"{self.name} is already applied to a model")
         routed = self.route(obj)
-        before = [attach.settings_of(a) for a in self]
+        before = [a.settings() for a in self]
         done: list[tuple[SparsityAlgorithm, list]] = []
-        try:
+        try:  # the phases of SparsityAlgorithm.apply, each across every member before the next
             for algorithm, chosen in zip(self, routed, strict=True):
-                attach.validate(algorithm, chosen)  # every member before any is touched
+                algorithm.check_candidates(chosen)
             for algorithm in self:
                 algorithm.seed = resolve_seed(algorithm.seed)
-            masks = [attach.build_masks(a, c) for a, c in zip(self, routed, strict=True)]
+            masks = [a.initial_masks(c) for a, c in zip(self, routed, strict=True)]
             for algorithm, chosen, built in zip(self, routed, masks, strict=True):
-                done.append((algorithm, attach.register(algorithm, obj, chosen, built)))
+                done.append((algorithm, algorithm.attach(obj, chosen, built)))
         except BaseException:
             for algorithm, sps in done:
-                attach.unregister_params(algorithm, sps)
+                algorithm.detach(sps)
             for algorithm, settings in zip(self, before, strict=True):
-                attach.reset_settings(algorithm, settings)
+                algorithm.restore_settings(settings)
             raise
         for algorithm, sps in done:
-            attach.commit(algorithm, obj, sps)
+            algorithm.commit(obj, sps)
         self.root = obj
 
     def route(self, root: nn.Module) -> list[list[Candidate]]:
         """The candidates of ``root`` each member gets (first matching filter wins). Warns, by
         name, of every pattern and every member that selects nothing (`report_unselected`)."""
-        tied = tied_parameter_ids(root) | dense_by_default_ids(root)  # heads, PEFT adapters
+        dense = default_dense_ids(root)  # tied weights, heads, PEFT adapters
         routed: list[list[Candidate]] = [[] for _ in self.members]
         matched: list[list[str]] = [[] for _ in self.members]  # every name each filter matches
         names = []
@@ -154,7 +148,7 @@ class Group:
                 elif algorithm.param_filter is not None:
                     chosen = algorithm.param_filter(candidate[0], candidate[3])
                 else:
-                    chosen = attach.default_selects(candidate, tied) and candidate[3].requires_grad
+                    chosen = default_selects(candidate, dense) and candidate[3].requires_grad
                 if chosen:
                     matched[i].append(candidate[0])
                     owner = i if owner is None else owner
@@ -277,15 +271,11 @@ class Group:
 
     def overall_sparsity(self) -> tuple[float, torch.Tensor]:
         """(target, actual) over all members' parameters, weighted by size."""
-        from ..report import overall_sparsity
-
-        return overall_sparsity(self)
+        return report.overall_sparsity(self.sparse_params, self.mask_target)
 
     def itop_rate(self) -> torch.Tensor:
         """Share of all members' sparse weights ever active (0-d tensor)."""
-        from ..report import itop_rate
-
-        return itop_rate(self.ever_active)
+        return report.itop_rate(self.ever_active)
 
     def check_range(self, horizon: int) -> None:
         """Every member's schedules over ``[0, horizon]``."""
@@ -339,7 +329,7 @@ class Group:
         load or none does."""
         states = self._member_states(state_dict)
         for algorithm, state in zip(self, states, strict=True):  # all members before any loads
-            checkpoint.check_loadable(algorithm, state)
+            algorithm.check_state_dict(state, loading=True)
         before = [a.state_dict() for a in self]  # a member's own load_state_dict may check more
         try:
             for algorithm, state in zip(self, states, strict=True):

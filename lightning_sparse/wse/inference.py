@@ -13,7 +13,7 @@ the FLOP counts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -22,12 +22,48 @@ from lightning_sparse.core.sparse_parameter import mask_buffer_name
 from lightning_sparse.wse.autotune import resolve_path
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.ops import inference_runner
+from lightning_sparse.wse.stats import WSEStats
 
 if TYPE_CHECKING:
     from lightning_sparse.wse.compact import CompactState
-    from lightning_sparse.wse.layer import LayerState
 
-__all__ = ["FAST", "FastInference", "infer", "infer_compact", "runner_entry", "without_fast"]
+__all__ = [
+    "FAST",
+    "FastInference",
+    "InferenceLayer",
+    "infer",
+    "infer_compact",
+    "runner_entry",
+    "without_fast",
+]
+
+Runner = Callable[[Tensor], Tensor]
+RunnerEntry = tuple[Runner, int, bool]  # runner, forward FLOPs per token, plain F.linear
+
+
+class InferenceExecutor(Protocol):
+    """What inference reads from the `WSEExecutor` (a protocol: `wse/layer.py` imports this
+    module, so this one names the executor's and the layer's attributes instead of importing
+    them)."""
+
+    path: str | None
+    inference_dtype: torch.dtype | None
+    stats: WSEStats
+
+
+class InferenceLayer(Protocol):
+    """The inference cache of one layer (`wse.layer.LayerState` is the one implementation):
+    the kept values as inference holds them, the key they were gathered under (structure,
+    weight or values version, bias), the runner per token count and the fast path."""
+
+    executor: InferenceExecutor
+    values: Tensor | None
+    values_key: tuple[CSRWeight, int, Tensor | None] | None
+    runners: dict[int, RunnerEntry]
+    fast: FastInference | None
+
+    def out_in(self, tensor: Tensor) -> Tensor: ...
+
 
 MASK = mask_buffer_name("weight")
 FAST = "_wse_fast"
@@ -41,7 +77,9 @@ def without_fast(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in state.items() if k != FAST}
 
 
-def infer(state: LayerState, x: Tensor, module: nn.Module, csr: CSRWeight) -> tuple[Tensor, int]:
+def infer(
+    state: InferenceLayer, x: Tensor, module: nn.Module, csr: CSRWeight
+) -> tuple[Tensor, int]:
     """Forward without autograd (``torch.no_grad``, ``inference_mode``, frozen weights):
     ``x [..., in] -> [..., out]``, and the weights the chosen path executed (the kept count,
     or every weight where it runs dense).
@@ -79,7 +117,7 @@ def infer(state: LayerState, x: Tensor, module: nn.Module, csr: CSRWeight) -> tu
 
 
 def infer_compact(
-    state: LayerState, x: Tensor, compact: CompactState, bias: Tensor | None, tokens: int
+    state: InferenceLayer, x: Tensor, compact: CompactState, bias: Tensor | None, tokens: int
 ) -> tuple[Tensor, int]:
     """Inference from the compact values (validation during a fit), cached per values
     version as `infer` caches per weight version; returns (output, weights executed)."""
@@ -106,7 +144,7 @@ def infer_compact(
     return entry[0](x), entry[1] // 2
 
 
-def stored(state: LayerState, values: Tensor) -> Tensor:
+def stored(state: InferenceLayer, values: Tensor) -> Tensor:
     """The kept values as inference holds them (`WSEExecutor` ``inference_dtype``)."""
     wanted = state.executor.inference_dtype
     if wanted == torch.bfloat16 and values.dtype == torch.float32:
@@ -138,7 +176,7 @@ class FastInference:
                  "bias", "dtype", "in_features", "numel")  # fmt: skip
 
     def __init__(
-        self, state: LayerState, weight: Tensor, mask: Tensor, bias: Tensor | None,
+        self, state: InferenceLayer, weight: Tensor, mask: Tensor, bias: Tensor | None,
         dtype: torch.dtype, csr: CSRWeight,
     ) -> None:  # fmt: skip
         self.runners = state.runners  # token count -> (runner, executed FLOPs per token)

@@ -36,12 +36,14 @@ class Executor(Protocol):
     not import the executor, which imports it)."""
 
     path: str | None
+    inference_dtype: torch.dtype | None
     stats: WSEStats
     compact: CompactLayers | None
 
     def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]: ...
 
     def check_fallbacks(self) -> None: ...
+
 
 __all__ = ["CSR_DTYPES", "STATE", "LayerState", "csr_supported", "version_of", "warn_once"]
 

@@ -202,7 +202,7 @@ def main(args: list[str]) -> None:
             f"W&B: the comparison is logged to project {project!r} ({wandb_dir}); runs grouped "
             f"by method, {annotated} run summaries given their method's figures (compare/...)"
         )
-        run_dirs.append(out / "wandb")
+        run_dirs.append(out)  # the comparison run (the others are listed already)
     sync = wandb_sync_commands(run_dirs)
     if sync:
         print("W&B runs logged offline; upload them from this directory with:")

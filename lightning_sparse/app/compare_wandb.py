@@ -56,11 +56,14 @@ def wandb_sync_commands(
 ) -> list[str]:
     """``wandb sync <dir>`` for every offline W&B run under ``run_dirs`` (every run, online ones
     too, with ``only_offline=False``), the paths relative to ``cwd`` (default: the current
-    directory; absolute where no relative path exists)."""
+    directory; absolute where no relative path exists), each listed once."""
     here = (cwd or Path.cwd()).resolve()
-    commands = []
+    commands, seen = [], set()
     for run_dir in run_dirs:
         for found in wandb_run_dirs(run_dir, only_offline):
+            if found in seen:  # under two of run_dirs
+                continue
+            seen.add(found)
             try:
                 path = os.path.relpath(found, here)
             except ValueError:  # another drive (Windows)

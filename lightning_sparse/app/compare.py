@@ -32,6 +32,7 @@ from lightning_sparse.app.compare_runs import plan_runs, run_all
 from lightning_sparse.app.compare_table import (
     aggregate,
     band_curves,
+    difference_curves,
     figures,
     format_seed_table,
     format_table,
@@ -177,6 +178,7 @@ def main(args: list[str]) -> None:
         "seeds": seeds,
         "baseline": baseline,
         "methods": [{"method": r.method, **figures(r, baseline)} for r in results],
+        "vs_baseline_curves": difference_curves(runs, baseline),
         "runs": [r.record() for r in runs],
     }
     (out / "comparison.json").write_text(json.dumps(record, indent=1) + "\n")

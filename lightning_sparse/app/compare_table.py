@@ -21,6 +21,7 @@ __all__ = [
     "MethodResult",
     "aggregate",
     "band_curves",
+    "difference_curves",
     "figures",
     "format_seed_table",
     "format_table",
@@ -191,3 +192,33 @@ def band_curves(
         if len(per_seed) > 1 and intervals:
             bands[method] = [(x, i.low, i.high) for x, i in intervals]  # type: ignore[misc]
     return means, bands
+
+
+def difference_curves(
+    runs: list[Run], baseline: str | None = "static"
+) -> dict[str, list[tuple[float, float, float | None, float | None]]]:
+    """Per method, the validation-loss difference to ``baseline`` at every step both validated
+    at, paired by seed: ``{method: [(step, mean, ci95_low, ci95_high), ...]}`` (the interval is
+    ``None`` with one seed). Shows whether a gap opens or closes as training goes on."""
+    curves: dict[str, dict[int, dict[float, float]]] = {}
+    for run in runs:
+        curve = (run.summary or {}).get("val_curve") or []
+        curves.setdefault(run.method, {})[run.seed] = {float(x): float(y) for x, y in curve}
+    base = curves.get(baseline) if baseline is not None else None
+    if not base:
+        return {}
+    out = {}
+    for method, per_seed in curves.items():
+        if method == baseline:
+            continue
+        seeds = sorted(set(per_seed) & set(base))
+        if not seeds:
+            continue
+        steps = sorted(set.intersection(*(set(per_seed[s]) & set(base[s]) for s in seeds)))
+        rows = []
+        for x in steps:
+            own, other = {s: per_seed[s][x] for s in seeds}, {s: base[s][x] for s in seeds}
+            d = paired_difference(own, other).interval
+            rows.append((x, d.mean, d.low, d.high))
+        out[method] = rows
+    return out

@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from lightning_sparse.app import compare, compare_runs, svg_plot
+from lightning_sparse.app import compare, compare_runs, compare_table, svg_plot
 from lightning_sparse.app.fit import SparseCLI
 from lightning_sparse.app.stats import mean_interval, paired_difference
 from lightning_sparse.core.algorithms.base import SparsityAlgorithm
@@ -198,3 +198,25 @@ def test_bad_counts_name_the_option() -> None:
     for option in ("--seeds", "--jobs"):
         with pytest.raises(SystemExit, match=f"{option} must be >= 1, got 0"):
             compare.main([option, "0"])
+
+
+def test_difference_to_static_over_training_by_hand() -> None:
+    def run(method: str, seed: int, curve: list[list[float]]) -> compare_runs.Run:
+        r = compare_runs.Run(method, seed, Path("r.yaml"), Path("d"), [])
+        r.summary = {"val_curve": curve}
+        return r
+
+    runs = [
+        run("static", 0, [[100, 2.0], [200, 1.5]]),
+        run("static", 1, [[100, 2.2], [200, 1.7]]),
+        run("rigl", 0, [[100, 1.9], [200, 1.4], [300, 1.0]]),  # 300: static has none
+        run("rigl", 1, [[100, 2.2], [200, 1.5]]),
+    ]
+    (rows,) = compare_table.difference_curves(runs, "static").values()
+    assert [r[0] for r in rows] == [100.0, 200.0]
+    # Step 200: d = [-0.1, -0.2], mean -0.15, sd 0.1 / sqrt(2), half width 12.706205 * 0.05.
+    step, mean, low, high = rows[1]
+    assert mean == pytest.approx(-0.15)
+    assert (low, high) == pytest.approx((-0.15 - 0.6353103, -0.15 + 0.6353103), abs=1e-6)
+    assert rows[0][1] == pytest.approx(-0.05)
+    assert compare_table.difference_curves(runs, "dense") == {}  # no such baseline

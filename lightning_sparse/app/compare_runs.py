@@ -3,11 +3,14 @@ seed, several at once where cores allow, each reused when it finished with the s
 
 Run ``(method, seed)`` lives in ``<out>/<method>/seed_<seed>/``: the recipe's relative output
 paths land there, with ``summary.json`` (the run's summary), ``run.json`` (written when the run
-finished: its command) and ``fit.log`` (its output). The command sets ``--seed_everything
-<seed>``, which seeds the model's initialization, the data order (`ByteTextDataModule`'s
-``seed=None``) and the masks (the algorithms' ``seed=None``) together. A W&B logger puts the run
-in group ``<method>`` (``WANDB_RUN_GROUP``; job type ``fit``, tag ``seed_<seed>``), so W&B
-groups the seeds of one method.
+finished: its command), ``attempt.json`` (the command of the attempt under way) and ``fit.log``
+(its output). A finished run is read back, not trained again; an interrupted one (same command in
+``attempt.json``) continues from its last checkpoint with ``--ckpt_path last``.
+
+The command sets ``--seed_everything <seed>``, which seeds the model's initialization, the data
+order (`ByteTextDataModule`'s ``seed=None``) and the masks (the algorithms' ``seed=None``)
+together. A W&B logger puts the run in group ``<method>`` (``WANDB_RUN_GROUP``; job type
+``fit``, tag ``seed_<seed>``), so W&B groups the seeds of one method.
 
 Parallel runs split the cores: ``--jobs K`` processes with ``cores // K`` torch threads each
 (``LIGHTNING_SPARSE_THREADS``, unless you set it or ``OMP_NUM_THREADS``). Two threads per run
@@ -157,14 +160,30 @@ def _terminate_on_exit(running: dict[int, tuple[Run, subprocess.Popen, float]]) 
                 process.kill()
 
 
-def _start(run: Run, threads: int) -> subprocess.Popen:
+def resumable(run: Run) -> Path | None:
+    """The checkpoint an interrupted attempt of ``run`` left (same command, ``attempt.json``),
+    or None: ``--ckpt_path last`` continues it (`lightning_sparse.app.run_dirs`)."""
+    attempt = run.run_dir / "attempt.json"
+    if not attempt.is_file() or json.loads(attempt.read_text()).get("command") != run.command:
+        return None
+    found = sorted(run.run_dir.rglob("last*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+def _start(run: Run, threads: int, force: bool) -> subprocess.Popen:
     run.run_dir.mkdir(parents=True, exist_ok=True)
     run.summary_path.unlink(missing_ok=True)
     run.record_path.unlink(missing_ok=True)
+    argv = run.command[1:]
+    checkpoint = None if force else resumable(run)
+    if checkpoint is not None:  # an interrupted attempt: continue it, bit for bit
+        print(f"compare: {run.label}: resuming from {checkpoint}", flush=True)
+        argv = [*argv, "--ckpt_path", "last"]
+    (run.run_dir / "attempt.json").write_text(json.dumps({"command": run.command}) + "\n")
     python = [sys.executable, "-m", "lightning_sparse.app.cli"]
-    log = open(run.log_path, "w")  # noqa: SIM115  (closed when the process ends: _finish)
+    log = open(run.log_path, "a" if checkpoint else "w")  # noqa: SIM115  (the child holds it)
     process = subprocess.Popen(
-        python + run.command[1:],
+        python + argv,
         cwd=run.run_dir,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -190,8 +209,9 @@ def _finish(run: Run, code: int, seconds: float) -> str | None:
 def run_all(runs: list[Run], jobs: int | None = None, force: bool = False) -> list[str]:
     """Train every run not finished already, ``jobs`` at a time; returns the failures.
 
-    Finished runs (``summary.json`` and ``run.json`` from the same command) are read back
-    unless ``force``. A failed run does not stop the others.
+    Finished runs (``summary.json`` and ``run.json`` from the same command) are read back, and
+    interrupted ones continue from their last checkpoint (`resumable`), unless ``force``. A
+    failed run does not stop the others.
     """
     pending = [run for run in runs if force or not reuse_finished(run)]
     for run in runs:
@@ -214,7 +234,7 @@ def run_all(runs: list[Run], jobs: int | None = None, force: bool = False) -> li
             while pending and len(running) < jobs:
                 run = pending.pop(0)
                 print(f"compare: {run.label}: {' '.join(run.command)}", flush=True)
-                process = _start(run, threads)
+                process = _start(run, threads, force)
                 running[process.pid] = (run, process, time.perf_counter())
             time.sleep(0.2)
             for pid, (run, process, start) in list(running.items()):

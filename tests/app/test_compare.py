@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 
 from lightning_sparse.app import compare, compare_runs, compare_table, svg_plot
 from lightning_sparse.app.fit import SparseCLI
@@ -160,10 +161,18 @@ def test_jobs_split_the_cores_and_runs_get_their_method_group(
 def test_an_interrupted_comparison_resumes_where_it_stopped(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """SIGTERM while the second run trains: the first stays finished and is not retrained,
-    the second's process ends with ``compare``, and the next call trains only the second."""
+    """SIGTERM while the second run trains: the first stays finished and is not retrained, the
+    second's process ends with ``compare``, and the next call continues the second from its
+    last checkpoint (a copy of the RigL recipe that checkpoints every 4 steps)."""
+    recipe = yaml.safe_load(Path(RIGL).read_text())
+    (checkpoint,) = [
+        c for c in recipe["trainer"]["callbacks"] if "ModelCheckpoint" in c["class_path"]
+    ]
+    checkpoint["init_args"]["every_n_train_steps"] = 5
+    rigl = tmp_path / "rigl_llama.yaml"
+    rigl.write_text(yaml.safe_dump(recipe, sort_keys=False))
     out = tmp_path / "cmp"
-    args = ["--recipes", STATIC, RIGL, "--jobs", "1", "--steps", "30", "--out", str(out)]
+    args = ["--recipes", STATIC, str(rigl), "--jobs", "1", "--steps", "40", "--out", str(out)]
     args += ["--", *TINY]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "lightning_sparse.app.cli", "compare", *args]
@@ -172,10 +181,8 @@ def test_an_interrupted_comparison_resumes_where_it_stopped(
     )
     first, second = out / "static/seed_0", out / "rigl/seed_0"
     deadline = time.monotonic() + 300
-    while not (second / "fit.log").is_file():  # the first finished, the second started
+    while not list(second.rglob("last.ckpt")):  # the first finished, the second checkpointed
         assert process.poll() is None and time.monotonic() < deadline, process.stdout.read()
-        time.sleep(0.2)
-    while not psutil.Process(process.pid).children():
         time.sleep(0.05)
     (child,) = psutil.Process(process.pid).children()
     process.send_signal(signal.SIGTERM)
@@ -187,9 +194,11 @@ def test_an_interrupted_comparison_resumes_where_it_stopped(
     compare.main(args)
     printed = capsys.readouterr().out
     assert "static seed 0: reusing the finished run" in printed
-    assert "1 run(s) to train" in printed and "rigl seed 0: lightning-sparse fit" in printed
+    assert "1 run(s) to train" in printed and "rigl seed 0: resuming from " in printed
     assert (first / "summary.json").stat().st_mtime == trained  # not retrained
-    assert (second / "run.json").is_file()
+    assert "lightning-sparse: resuming the latest run" in (second / "fit.log").read_text()
+    summary = json.loads((second / "summary.json").read_text())
+    assert summary["steps"] == 40 and summary["tokens"] == 40 * 4 * 32  # the whole run
     compare.main(args)  # everything finished: nothing to train
     assert capsys.readouterr().out.count("reusing the finished run") == 2
 

@@ -1,6 +1,8 @@
-"""`line_plot_svg`: overlaid line series as a standalone SVG file, with no plotting dependency.
+"""`line_plot_svg`: overlaid line series, optionally with shaded bands, as a standalone SVG file,
+with no plotting dependency.
 
-`lightning-sparse compare` draws one figure (validation loss per method); a hundred lines of SVG
+`lightning-sparse compare` draws one figure (validation loss per method: the mean over seeds and
+a band for its 95% interval); a hundred lines of SVG
 keep matplotlib and its compiled dependencies out of the install, and the output is plain text
 that opens in any browser.
 """
@@ -24,21 +26,30 @@ def line_plot_svg(
     title: str = "",
     xlabel: str = "",
     ylabel: str = "",
+    bands: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> str:
-    """An SVG document with one polyline per series and a legend.
+    """An SVG document with one polyline per series, a shaded band around it where given, and a
+    legend.
 
     Args:
         series: ``{label: [(x, y), ...]}``; empty series are listed in the legend only.
+        bands: ``{label: [(x, low, high), ...]}`` for labels of ``series``: a polygon in the
+            series' colour (20% opaque) from ``low`` to ``high``, drawn under the lines.
 
     Returns:
         The SVG text.
 
     Raises:
-        ValueError: no series has a point.
+        ValueError: no series has a point; a band for a label that is not a series.
     """
+    bands = dict(bands or {})
+    unknown = sorted(set(bands) - set(series))
+    if unknown:
+        raise ValueError(f"line_plot_svg: bands {unknown} have no series; bands name series")
     points = [(float(x), float(y)) for pts in series.values() for x, y in pts]
     if not points:
         raise ValueError("line_plot_svg needs at least one (x, y) point in some series")
+    points += [(float(x), float(v)) for pts in bands.values() for x, *ys in pts for v in ys]
     x_lo, x_hi = _span(p[0] for p in points)
     y_lo, y_hi = _span(p[1] for p in points)
     plot_w, plot_h = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM
@@ -68,8 +79,17 @@ def line_plot_svg(
         f'<text transform="translate(18 {_TOP + plot_h / 2:.1f}) rotate(-90)" '
         f'text-anchor="middle">{escape(ylabel)}</text>',
     ]
+    colours = {label: _COLOURS[i % len(_COLOURS)] for i, label in enumerate(series)}
+    for label, band in bands.items():  # under every line
+        if band:
+            edge = [(x, lo) for x, lo, _ in band] + [(x, hi) for x, _, hi in reversed(band)]
+            coords = " ".join(f"{sx(float(x)):.1f},{sy(float(y)):.1f}" for x, y in edge)
+            out.append(
+                f'<polygon points="{coords}" fill="{colours[label]}" fill-opacity="0.2" '
+                'stroke="none"/>'
+            )
     for i, (label, pts) in enumerate(series.items()):
-        colour = _COLOURS[i % len(_COLOURS)]
+        colour = colours[label]
         coords = " ".join(f"{sx(float(x)):.1f},{sy(float(y)):.1f}" for x, y in pts)
         if coords:
             out.append(

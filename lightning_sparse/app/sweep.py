@@ -10,7 +10,8 @@ becomes the LightningCLI override ``--trainer.callbacks.init_args.sparsity=0.8``
 anything else runs as a subprocess. Every point logs with a ``CSVLogger`` to ``OUT/<i>/`` (the
 command's own loggers, e.g. a ``WandbLogger`` for the agent, are replaced), the sweep metric's
 last logged value is read back from its ``metrics.csv``, and a results table is printed and
-written to ``OUT/results.csv``.
+written to ``OUT/results.csv``; a sweep over ``seed_everything`` also gets the table over seeds
+(mean, sd, 95% t interval per setting; `lightning_sparse.app.sweep_seeds`).
 
 Usage::
 
@@ -35,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from lightning_sparse.app.sweep_seeds import SEED_KEY, seed_table, write_seed_table
 
 __all__ = [
     "PointResult",
@@ -389,6 +392,9 @@ def main(args: list[str] | None = None) -> None:
         write_results(results, metric, out / "results.csv")
     print(f"\nSweep {name} ({config['method']}, {len(results)} points, {metric}: {goal})")
     print(results_table(results, metric, goal), flush=True)
+    if SEED_KEY in config["parameters"] and not ns.dry_run:  # the same settings over seeds
+        write_seed_table(results, metric, out / "results_by_seed.csv")
+        print(f"\nOver the seeds ({SEED_KEY}):\n{seed_table(results, metric)}", flush=True)
 
 
 if __name__ == "__main__":

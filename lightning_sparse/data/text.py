@@ -110,12 +110,18 @@ class WindowDataset(Dataset):
         return self.data[start : start + self.seq_len + 1].long()
 
 
+def experiment_seed(seed: int | None) -> int:
+    """``seed``, or the experiment's seed (``torch.initial_seed()``) when ``None``."""
+    return int(torch.initial_seed()) if seed is None else seed
+
+
 class ByteTextDataModule(L.LightningDataModule):
     """Byte-level (vocab 256) language-model data from the stdlib sources or your text files.
 
     Batches are LongTensor [batch_size, seq_len + 1]. Training windows tile the train corpus with
     stride `seq_len` (every next-token pair appears once per epoch); their order is a permutation
-    fixed by `seed`, so runs with the same seed see the same batches. Every epoch repeats that
+    fixed by `seed` (by default the experiment's: `seed_everything`), so runs with the same seed
+    see the same batches and runs with different seeds different orders. Every epoch repeats that
     order. The training loader is a `ResumableDataLoader`: under DDP each rank takes its share of
     the order, and a run resumed from a mid-epoch checkpoint continues with the batch after the
     last one trained (the position is saved in the checkpoint). Validation is the first
@@ -133,7 +139,10 @@ class ByteTextDataModule(L.LightningDataModule):
         max_bytes: Cap on the training corpus size in bytes (files are read in `paths` order,
             sorted within each directory); `None` reads everything.
         val_windows: Number of validation windows.
-        seed: Fixes the training order.
+        seed: Fixes the training order; `None` (default): the experiment's seed,
+            ``torch.initial_seed()``, which ``seed_everything`` / ``torch.manual_seed`` set (as
+            the sparsity algorithms' ``seed=None``), so ``--seed_everything`` varies the model
+            init, the masks and the data order together. The resolved seed is the saved hparam.
         num_workers: DataLoader worker processes.
     """
 
@@ -149,7 +158,7 @@ class ByteTextDataModule(L.LightningDataModule):
         batch_size: int = 32,
         max_bytes: int | None = 8_000_000,
         val_windows: int = 128,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
         super().__init__()
@@ -161,6 +170,7 @@ class ByteTextDataModule(L.LightningDataModule):
                 f"{seq_len}, {batch_size}, {val_windows}"
             )
         self.save_hyperparameters()
+        self.hparams["seed"] = experiment_seed(seed)  # the seed in force, saved and logged
         self.train_data: Tensor | None = None
         self.val_data: Tensor | None = None
         self.train_sampler: ResumableSampler | None = None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_sparse.data.text import ByteTextDataModule
+from lightning_sparse.data.text import ByteTextDataModule, experiment_seed
 
 __all__ = ["TokenizedTextDataModule", "load_tokenizer", "read_texts", "train_byte_bpe"]
 
@@ -132,7 +132,7 @@ class TokenizedTextDataModule(ByteTextDataModule):
         batch_size: int = 32,
         max_bytes: int | None = 8_000_000,
         val_windows: int = 128,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
     ) -> None:
         if tokenizer is None:
@@ -150,6 +150,7 @@ class TokenizedTextDataModule(ByteTextDataModule):
             num_workers,
         )
         self.save_hyperparameters()
+        self.hparams["seed"] = experiment_seed(seed)  # as the parent: the seed in force
         self._tokenizer: Any = None
         self._train_texts: list[str] | None = None
 

@@ -173,10 +173,18 @@ def test_recipes_are_twins() -> None:
         if sparse:  # last, so that --trainer.callbacks.init_args.<arg> overrides it
             assert sparse[0] is config["trainer"]["callbacks"][-1]["init_args"]
             assert sparse[0]["param_filter"] == ["*layers.*_proj.weight"]
+        if sparse:  # seed 000: random masks, the same sparsity in every matrix ("uniformly")
+            assert (sparse[0]["init_method"], sparse[0]["distribution"]) == ("random", "uniform")
         if name in ("set", "granet"):
             rigl = base["trainer"]["callbacks"][-1]["init_args"]
             assert sparse[0]["update"] == rigl["update"]
             assert sparse[0]["drop_fraction"] == rigl["drop_fraction"]
+    # Seed 000's dynamic runs: drop fraction 0.5 with a cosine to 0 at 75% of training, when the
+    # mask updates stop (every 100 steps: RigL's dT).
+    rigl = base["trainer"]["callbacks"][-1]["init_args"]
+    stop = 0.75 * base["trainer"]["max_steps"]
+    assert rigl["drop_fraction"] == {"type": "cosine", "init": 0.5, "half_period": stop}
+    assert rigl["update"] == {"freq": 100, "stop": stop}
     granet = configs["granet"]["trainer"]["callbacks"][-1]["init_args"]["sparsity"]
     assert granet == {"type": "cubic", "init": 0.5, "final": 0.8, "begin": 0, "end": 1200}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from lightning_sparse.app import sweep
+from lightning_sparse.app import sweep, sweep_seeds
 from lightning_sparse.app.cli import RECIPES_DIR
 from lightning_sparse.app.cli import main as cli_main
 
@@ -203,3 +203,23 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     config["command"] = ["lightning-sparse", "fit", "${args}"]
     results = sweep.run_sweep(config, tmp_path, overrides=["--print_config"])
     assert len(results) == 1 and results[0].status.startswith("failed")
+
+
+def test_a_sweep_over_seeds_is_summarized_per_setting(tmp_path: Path) -> None:
+    metrics = {("a.yaml", 0): 1.0, ("a.yaml", 1): 2.0, ("a.yaml", 2): 3.0}
+    metrics |= {("b.yaml", 0): 5.0, ("b.yaml", 1): None, ("b.yaml", 2): 5.5}  # one failed
+    results = [
+        sweep.PointResult(i, {"config": c, "seed_everything": s}, m, 1.0)
+        for i, ((c, s), m) in enumerate(metrics.items())
+    ]
+    table = sweep_seeds.seed_table(results, "val/loss").splitlines()
+    assert table[0].split()[:5] == ["config", "seeds", "mean", "val/loss", "sd"]
+    # a: mean 2, sd 1, half width t(0.975, 2) / sqrt(3) = 2.484138.
+    assert table[1].split() == ["a.yaml", "3", "2.0000", "1.0000", "[-0.4841,", "4.4841]"]
+    # b: two seeds, mean 5.25, sd 0.353553, half width t(0.975, 1) * 0.353553 / sqrt(2) = 3.1766.
+    assert table[2].split() == ["b.yaml", "2", "5.2500", "0.3536", "[2.0734,", "8.4266]"]
+    sweep_seeds.write_seed_table(results, "val/loss", tmp_path / "by_seed.csv")
+    with open(tmp_path / "by_seed.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["config"] for r in rows] == ["a.yaml", "b.yaml"]
+    assert float(rows[1]["ci95_high"]) == pytest.approx(5.25 + 3.176551, abs=1e-6)

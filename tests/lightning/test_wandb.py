@@ -16,7 +16,7 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_sparse import SET, Group, RigL, Static
-from lightning_sparse.app import compare
+from lightning_sparse.app import compare, compare_runs
 from lightning_sparse.lightning.summary import SparseRunSummary
 from tests.helpers import TinyLM, token_loader, trainer
 
@@ -91,6 +91,9 @@ def test_wandb_run_config_and_summary(tmp_path: Path, monkeypatch: pytest.Monkey
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # What `compare` sets for each run it starts (`compare_runs.child_env`): W&B groups by it.
+    monkeypatch.setenv("WANDB_RUN_GROUP", "rigl")
+    monkeypatch.setenv("WANDB_JOB_TYPE", "fit")
     rigl = RigL(0.75, update={"freq": 2}, drop_fraction=0.25, param_filter="*fc1.weight", seed=3)
     static = Static(0.5, param_filter="*fc2.weight", init_method="topk")
     summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)
@@ -100,6 +103,7 @@ def test_wandb_run_config_and_summary(tmp_path: Path, monkeypatch: pytest.Monkey
     logger.experiment.finish()
 
     config, run_summary = offline_run(tmp_path)
+    assert run_group(tmp_path) == ("rigl", "fit")
     assert config["sparsity/0/algorithm"] == "rigl"
     assert config["sparsity/0/sparsity"] == 0.75
     assert config["sparsity/0/drop_fraction"] == 0.25
@@ -152,15 +156,17 @@ def test_group_hparams_reach_csv_and_tensorboard(tmp_path: Path, kind: str) -> N
     assert hparams["lr"] == 1e-2
 
 
-def _finished_run(out: Path, name: str, loss: float, sparsity: float, flops: float) -> None:
+def _finished_run(
+    out: Path, name: str, seed: int, loss: float, sparsity: float, flops: float
+) -> None:
     """A run `compare` reuses as finished: ``run.json`` with its command, ``summary.json``,
-    and the offline W&B run its logger left."""
-    run_dir = out / name
-    (run_dir / f"outputs/{name}_llama/wandb/offline-run-20261123_000000-{name}").mkdir(parents=True)
+    and the offline W&B run its logger left (a directory only: `compare` resumes it)."""
+    run_dir = out / name / f"seed_{seed}"
+    wandb_dir = run_dir / f"outputs/{name}_llama/wandb"
+    (wandb_dir / f"offline-run-20261123_000000-{name}{seed}").mkdir(parents=True)
     summary_path = run_dir / "summary.json"
-    command = ["lightning-sparse", "fit", "--config", str(compare.resolve_recipe(name))]
-    command += ["--summary.path", str(summary_path)]
-    record = {"name": name, "command": command, "process_time_s": 1.0}
+    command = compare_runs.fit_command(compare.resolve_recipe(name), summary_path, seed, None, [])
+    record = {"name": name, "seed": seed, "command": command, "process_time_s": 1.0}
     (run_dir / "run.json").write_text(json.dumps(record))
     summary = {
         "algorithms": [name], "wall_time_s": 1.0,
@@ -172,44 +178,73 @@ def _finished_run(out: Path, name: str, loss: float, sparsity: float, flops: flo
     summary_path.write_text(json.dumps(summary))
 
 
-def test_compare_logs_plot_and_table_to_wandb(
+def run_group(log_dir: Path) -> tuple[str, str]:
+    """(group, job type) of the one offline run under ``log_dir/wandb``."""
+    (run,) = (log_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    (record,) = [r for r in wandb_records(run) if r.WhichOneof("record_type") == "run"]
+    return record.run.run_group, record.run.job_type
+
+
+def test_compare_logs_seeds_intervals_and_groups_to_wandb(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "cmp"
-    _finished_run(out, "dense", 3.5, 0.0, 4e9)
-    _finished_run(out, "rigl", 3.75, 0.8, 1e9)
-    compare.main(["--recipes", "dense", "rigl", "--out", str(out)])
+    losses = {"static": (4.0, 4.2), "rigl": (3.75, 3.85)}
+    for name, pair in losses.items():
+        for seed, loss in enumerate(pair):
+            _finished_run(out, name, seed, loss, 0.8, 1e9)
+    args = ["--recipes", "static", "rigl", "--seeds", "2", "--out", str(out)]
+    compare.main(args)
 
+    # The comparison run: every method's figures; rigl - static paired by seed: d = -0.25, -0.35,
+    # mean -0.3, sd 0.1 / sqrt(2), half width t(0.975, 1) * sd / sqrt(2) = 12.706205 * 0.05.
     history: list[dict[str, Any]] = []
     config, summary = offline_run(out, history)
-    assert config["recipes"] == ["dense", "rigl"]
-    assert summary["rigl/val_loss"] == 3.75 and summary["dense/val_loss"] == 3.5
-    assert summary["rigl/train_flops_vs_dense"] == 0.25 and summary["rigl/sparsity"] == 0.8
+    assert config["recipes"] == ["static", "rigl"] and config["seeds"] == [0, 1]
+    assert summary["rigl/val_loss"] == pytest.approx(3.8)
+    assert summary["rigl/val_loss_vs_static"] == pytest.approx(-0.3)
+    half = 12.706205 * 0.05
+    assert summary["rigl/val_loss_vs_static_ci95_low"] == pytest.approx(-0.3 - half, abs=1e-6)
+    assert summary["rigl/val_loss_vs_static_ci95_high"] == pytest.approx(-0.3 + half, abs=1e-6)
+    assert summary["static/val_loss_ci95_high"] == pytest.approx(4.1 + 12.706205 * 0.1, abs=1e-6)
+    assert "static/val_loss_vs_static" not in summary and summary["rigl/seeds"] == 2
     (row,) = [h for h in history if "val_loss" in h]
     assert row["val_loss"]["_type"] == "html-file" and row["comparison"]["_type"] == "table-file"
     (files,) = out.glob("wandb/offline-run-*/files")
     html = (files / row["val_loss"]["path"]).read_text()
-    assert html.count("<svg") == 1 and html.count("<polyline") == 2 and ">rigl<" in html
+    assert html.count("<polyline") == 2 and html.count("<polygon") == 2 and ">rigl<" in html
     assert (out / "val_loss.svg").read_text() in html
     table = json.loads((files / row["comparison"]["path"]).read_text())
-    assert [r[0] for r in table["data"]] == ["dense", "rigl"]
-    chart = row["val_loss_chart_table"]  # W&B's line chart: its data table
+    assert [r[0] for r in table["data"]] == ["static", "rigl"]
+    chart = row["val_loss_chart_table"]  # W&B's line chart of the means: its data table
     points = json.loads((files / chart["path"]).read_text())
-    assert sorted(map(tuple, points["data"])) == [
-        (1, "dense", 4.5), (1, "rigl", 4.75), (2, "dense", 3.5), (2, "rigl", 3.75),
-    ]  # fmt: skip
-    # The comparison run is listed with the recipes' runs for `wandb sync`.
+    assert sorted(map(tuple, points["data"]))[:2] == [(1, "rigl", 4.8), (1, "static", 5.1)]
+
+    # Every training run: resumed in its group, its method's figures in its summary.
+    for name, pair in losses.items():
+        for seed in range(2):
+            log_dir = out / name / f"seed_{seed}/outputs/{name}_llama"
+            assert run_group(log_dir) == (name, "fit")
+            _, run_summary = offline_run(log_dir)
+            assert run_summary["compare/val_loss"] == pytest.approx(sum(pair) / 2)
+            assert run_summary["compare/seed"] == seed and run_summary["compare/method"] == name
+            assert ("compare/val_loss_vs_static" in run_summary) == (name == "rigl")
+            assert run_summary["compare/val_loss_ci95_low"] < run_summary["compare/val_loss"]
     printed = capsys.readouterr().out
     assert f"wandb sync {files.parent.relative_to(tmp_path)}" in printed
-    assert "wandb sync cmp/rigl/outputs/rigl_llama/wandb/offline-run-" in printed
+    assert "wandb sync cmp/rigl/seed_1/outputs/rigl_llama/wandb/offline-run-" in printed
+    # Run again: the summaries already hold these figures, so no run is resumed twice.
+    compare.main(args)
+    assert "0 run summaries given" in capsys.readouterr().out
+    assert len(list(out.glob("*/seed_*/outputs/*/wandb/offline-run-*/run-*.wandb"))) == 4
 
 
 def test_compare_without_wandb_runs_starts_no_wandb_run(tmp_path: Path) -> None:
     out = tmp_path / "cmp"
-    _finished_run(out, "dense", 3.5, 0.0, 4e9)
+    _finished_run(out, "dense", 0, 3.5, 0.0, 4e9)
     for found in out.rglob("wandb"):
         found.rename(found.with_name("csv"))  # the run logged to CSV only
     compare.main(["--recipes", "dense", "--out", str(out)])

@@ -65,6 +65,19 @@ def test_same_seed_same_batches_different_seed_different_batches():
     )
 
 
+def test_default_seed_is_the_experiments_seed():
+    """``seed=None`` follows ``seed_everything`` / ``torch.manual_seed`` (as the sparsity
+    algorithms do), so one experiment seed varies the data order with the init and masks."""
+    torch.manual_seed(5)
+    five = make_dm()
+    assert five.hparams.seed == 5  # the seed in force is what the checkpoint and loggers keep
+    torch.manual_seed(6)
+    six = make_dm()
+    explicit = first_batches(make_dm(seed=5))
+    assert all(torch.equal(x, y) for x, y in zip(first_batches(five), explicit, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(first_batches(six), explicit, strict=True))
+
+
 def test_train_epoch_covers_every_window_once():
     dm = make_dm(max_bytes=3_000)
     starts = dm.train_dataloader().dataset.starts

@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # directories above the test, so a checkout in a folder named "cuda" would skip everything.
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_directory_from_another_test(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A `SparseCLI` built directly (not through ``lightning-sparse``) leaves its run-directory
+    decision in ``LIGHTNING_SPARSE_RUN`` for DDP workers it may launch; every test starts
+    without one, and the variable is restored after it."""
+    monkeypatch.delenv("LIGHTNING_SPARSE_RUN", raising=False)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_sparse.app.run_dirs import RUN_ENV
 from lightning_sparse.app.threads import ENV as THREADS_ENV
 from lightning_sparse.app.threads import busy_cores, choose_threads
 
@@ -130,8 +131,11 @@ def default_jobs(pending: int) -> int:
 
 
 def child_env(method: str, seed: int, threads: int) -> dict[str, str]:
-    """The environment of one run: its torch threads and its W&B group, job type and tag."""
+    """The environment of one run: its torch threads and its W&B group, job type and tag. Each
+    run is a fit of its own: a run directory decided by a fit in this process (`RUN_ENV`, meant
+    for its DDP workers) is not passed on."""
     env = dict(os.environ)
+    env.pop(RUN_ENV, None)
     if not (env.get(THREADS_ENV) or env.get("OMP_NUM_THREADS")):
         env[THREADS_ENV] = str(threads)
     env["WANDB_RUN_GROUP"] = method

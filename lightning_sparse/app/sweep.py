@@ -27,6 +27,7 @@ import csv
 import itertools
 import json
 import math
+import os
 import random
 import subprocess
 import sys
@@ -37,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from lightning_sparse.app.run_dirs import RUN_ENV
 from lightning_sparse.app.sweep_seeds import SEED_KEY, seed_table, write_seed_table
 
 __all__ = [
@@ -289,7 +291,10 @@ def _launch(argv: list[str]) -> str:
         finally:
             sys.argv = saved
         return "ok"
-    code = subprocess.run(argv, check=False).returncode
+    # A point is a run of its own: not the run directory a fit in this process decided for its
+    # DDP workers (`RUN_ENV`).
+    env = {k: v for k, v in os.environ.items() if k != RUN_ENV}
+    code = subprocess.run(argv, check=False, env=env).returncode
     return "ok" if code == 0 else f"failed: exit {code}"
 
 

@@ -145,6 +145,9 @@ def test_jobs_split_the_cores_and_runs_get_their_method_group(
     )  # fmt: skip
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's choice wins
     assert "LIGHTNING_SPARSE_THREADS" not in compare_runs.child_env("rigl", 2, threads=3)
+    # A run directory a fit in this process decided (for its DDP workers) is not a run's.
+    monkeypatch.setenv("LIGHTNING_SPARSE_RUN", '{"root": "outputs/x", "version": 0}')
+    assert "LIGHTNING_SPARSE_RUN" not in compare_runs.child_env("rigl", 2, threads=3)
     monkeypatch.setattr(compare_runs, "available_cores", lambda: 4)
     monkeypatch.setattr(compare_runs, "busy_cores", lambda: 1.0)
     assert compare_runs.default_jobs(10) == 3 and compare_runs.default_jobs(2) == 2

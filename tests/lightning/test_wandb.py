@@ -94,6 +94,11 @@ def test_wandb_run_config_and_summary(tmp_path: Path, monkeypatch: pytest.Monkey
     # What `compare` sets for each run it starts (`compare_runs.child_env`): W&B groups by it.
     monkeypatch.setenv("WANDB_RUN_GROUP", "rigl")
     monkeypatch.setenv("WANDB_JOB_TYPE", "fit")
+    # W&B reads WANDB_* variables once per process, at its first set-up (compare's runs are
+    # fresh processes); an earlier test's run in this process would hide these.
+    import wandb
+
+    wandb.teardown()
     rigl = RigL(0.75, update={"freq": 2}, drop_fraction=0.25, param_filter="*fc1.weight", seed=3)
     static = Static(0.5, param_filter="*fc2.weight", init_method="topk")
     summary = SparseRunSummary(path=str(tmp_path / "summary.json"), print_layers=False)

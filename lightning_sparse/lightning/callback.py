@@ -38,6 +38,7 @@ __all__ = [
     "SparsityCallback",
     "check_accelerator",
     "check_resumable",
+    "SparsityStateCallback",
     "find_sparsity_state",
     "save_sparsity_state",
     "sparsity_hparams",
@@ -48,7 +49,27 @@ HParam = str | int | float | bool | None
 STATE_KEY = "sparsity"  # checkpoint["sparsity"][callback.state_key]: the sparsity states
 
 
-class SparsityCallback(pl.Callback):
+class SparsityStateCallback(pl.Callback):
+    """A callback whose state lives under ``checkpoint["sparsity"][state_key]`` (not
+    ``checkpoint["callbacks"]``): every sparsity callback and the workflows built on them."""
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Keep the state Lightning took from ``state_dict()`` under ``checkpoint["sparsity"]``."""
+        save_sparsity_state(checkpoint, self.state_key)
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """Restore this callback's state (after Lightning loaded the model's weights), or raise
+        if the checkpoint holds another sparsity callback's state only (`find_sparsity_state`)."""
+        state = find_sparsity_state(checkpoint, self.state_key, trainer.ckpt_path)
+        if state is not None:
+            self.load_state_dict(state)
+
+
+class SparsityCallback(SparsityStateCallback):
     """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -103,21 +124,6 @@ class SparsityCallback(pl.Callback):
     ) -> None:
         """Gradients are accumulated (and all-reduced) here: update masks, prune, then step."""
         self.before_step(optimizer)
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Keep the state Lightning took from ``state_dict()`` under ``checkpoint["sparsity"]``."""
-        save_sparsity_state(checkpoint, self.state_key)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Restore this callback's state (after Lightning loaded the model's weights), or raise
-        if the checkpoint holds another sparsity callback's state only (`find_sparsity_state`)."""
-        state = find_sparsity_state(checkpoint, self.state_key, trainer.ckpt_path)
-        if state is not None:
-            self.load_state_dict(state)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any

@@ -28,7 +28,7 @@ from lightning_sparse.core import validate
 from lightning_sparse.core.filters import ParamFilter
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.algorithms import GMP
-from lightning_sparse.lightning.callback import find_sparsity_state, save_sparsity_state
+from lightning_sparse.lightning.callback import SparsityStateCallback
 from lightning_sparse.lightning.flop_counter import lm_flops, tokens_in_batch
 
 __all__ = ["IterativePruning", "imp_sparsity", "rewind_lr_scheduler"]
@@ -64,7 +64,7 @@ def rewind_lr_scheduler(
         scheduler.step()
 
 
-class IterativePruning(pl.Callback):
+class IterativePruning(SparsityStateCallback):
     """Dense training, then ``levels`` rounds of magnitude pruning with LR rewinding.
 
     Train for ``(levels + 1) * level_steps`` steps. Each level's pruning keeps the largest
@@ -291,20 +291,6 @@ class IterativePruning(pl.Callback):
             "initial_schedulers": self._initial_schedulers,
             "records": list(self.records),
         }
-
-    def on_save_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Keep the state under ``checkpoint["sparsity"]``, as every sparsity callback does."""
-        save_sparsity_state(checkpoint, self.state_key)
-
-    def on_load_checkpoint(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        """Restore the state `on_save_checkpoint` saved (earlier versions': Lightning does)."""
-        state = find_sparsity_state(checkpoint, self.state_key, trainer.ckpt_path)
-        if state is not None:
-            self.load_state_dict(state)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore ``state_dict()`` output."""

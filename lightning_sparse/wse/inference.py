@@ -107,13 +107,7 @@ def infer(
         if not mask.is_inference() and weight.is_cpu:
             state.fast = FastInference(state, param, buffer, bias, x.dtype, csr)
     tokens = x.numel() // in_features if in_features else 0
-    entry = state.runners.get(tokens)
-    if entry is None:
-        path = resolve_path(x, weight, csr, state.executor.path, requires_grad=False)
-        assert state.values is not None
-        runner = inference_runner(path, state.values, csr, weight, mask, bias)
-        entry = state.runners[tokens] = runner_entry(runner, path, csr)
-    return entry[0](x), entry[1] // 2
+    return _run_cached(state, x, tokens, csr, weight, weight, mask, bias)
 
 
 def infer_compact(
@@ -135,11 +129,21 @@ def infer_compact(
         state.values = stored(state, values.detach())
         state.values_key = (csr, values._version, bias)
         state.runners, state.fast = {}, None
+    return _run_cached(state, x, tokens, csr, values, None, None, bias)
+
+
+def _run_cached(
+    state: InferenceLayer, x: Tensor, tokens: int, csr: CSRWeight, like: Tensor,
+    weight: Tensor | None, mask: Tensor | None, bias: Tensor | None,
+) -> tuple[Tensor, int]:  # fmt: skip
+    """Run ``x`` through the runner cached for ``tokens`` (resolved once per token count from
+    the cached values; ``like``: the tensor whose device and dtype the path choice reads);
+    returns (output, weights executed)."""
     entry = state.runners.get(tokens)
     if entry is None:
-        path = resolve_path(x, values, csr, state.executor.path, requires_grad=False)
+        path = resolve_path(x, like, csr, state.executor.path, requires_grad=False)
         assert state.values is not None
-        runner = inference_runner(path, state.values, csr, None, None, bias)
+        runner = inference_runner(path, state.values, csr, weight, mask, bias)
         entry = state.runners[tokens] = runner_entry(runner, path, csr)
     return entry[0](x), entry[1] // 2
 

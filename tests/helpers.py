@@ -233,3 +233,25 @@ def assert_same_state(a: Any, b: Any, where: str = "state") -> None:
         assert torch.is_tensor(b) and torch.equal(a, b), f"{where}: tensors differ"
     else:
         assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def sparse_hf_lit(base: Path) -> Any:
+    """A tiny random Hugging Face Llama saved to ``base`` (built from a config, nothing
+    downloaded), wrapped as ``LitCausalLM(HFCausalLM(base))`` with `Static(0.8)` applied, in eval
+    mode. Needs the ``[hf]`` extra."""
+    import transformers
+
+    from lightning_sparse import Static
+    from lightning_sparse.models import LitCausalLM
+    from lightning_sparse.models.hf import HFCausalLM
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(base)
+    lit = LitCausalLM(model=HFCausalLM(str(base)), max_seq_len=64)
+    lit.apply(Static(0.8))
+    lit.eval()
+    return lit

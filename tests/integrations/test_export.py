@@ -35,7 +35,7 @@ from lightning_sparse.integrations import export as export_module  # noqa: E402
 from lightning_sparse.integrations.compressed import load_compressed  # noqa: E402
 from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import full_state, one_thread  # noqa: E402, F401  (autouse: one thread)
+from tests.helpers import full_state, one_thread, sparse_hf_lit  # noqa: E402, F401  (autouse: one thread)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -313,15 +313,7 @@ def test_checkpoint_of_a_recipe_given_hf_model_is_rebuilt_from_the_run_config(
     tmp_path: Path,
 ) -> None:
     """`LitCausalLM` does not save its ``model`` argument; the run's config.yaml records it."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
-    lit = LitCausalLM(model=HFCausalLM(str(tmp_path / "base")), max_seq_len=64)
-    lit.apply(Static(0.8))
-    lit.eval()
+    lit = sparse_hf_lit(tmp_path / "base")
     run = tmp_path / "version_0"
     (run / "checkpoints").mkdir(parents=True)
     hparams = {"_class_path": "lightning_sparse.models.LitCausalLM", **lit.hparams}

@@ -19,8 +19,7 @@ from lightning_sparse.integrations.lit_checkpoint import (  # noqa: E402
     run_config_of,
 )
 from lightning_sparse.models import LitCausalLM  # noqa: E402
-from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402, F401  (autouse: one torch thread)
+from tests.helpers import one_thread, sparse_hf_lit  # noqa: E402, F401  (autouse: one torch thread)
 
 
 class MyLit(LitCausalLM):
@@ -95,15 +94,7 @@ def test_a_class_the_caller_passes_is_allowed(tmp_path: Path) -> None:
 def test_a_checkpoint_outside_its_run_directory_reads_no_config(tmp_path: Path) -> None:
     """``downloads/last.ckpt`` with a ``config.yaml`` in ``downloads/`` and one folder above:
     neither is the run's, so neither is read; ``run_config=`` names one explicitly."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
-    )  # fmt: skip
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "base")
-    lit = LitCausalLM(model=HFCausalLM(str(tmp_path / "base")), max_seq_len=64)
-    lit.apply(Static(0.8))
-    lit.eval()
+    lit = sparse_hf_lit(tmp_path / "base")
     ckpt = save(tmp_path / "downloads/last.ckpt", lit, "lightning_sparse.models.LitCausalLM")
     recipe = (
         "model:\n  class_path: lightning_sparse.models.LitCausalLM\n  init_args:\n    model:\n"

@@ -22,6 +22,8 @@ median and minimum step time. ``--busy`` starts one busy-looping process pinned 
 one busy process >= 1.5x.
 
     python benchmarks/bench_wse_large.py memory [--sparsity 0.9] [--steps 6]
+    python benchmarks/bench_wse_large.py memory --kind rigl --update-every 3   # peak through
+                                                                              # a mask update
     python benchmarks/bench_wse_large.py speed [--sparsities 0.9,0.95] [--steps 7] [--busy]
     python benchmarks/bench_wse_large.py {memory,speed} --quick   # tiny model, smoke run
 """
@@ -64,9 +66,11 @@ VARIANTS = ("dense", "cpu", "wse", "wse-dense-state")
 GOALS = {"state": 0.2, "rss": 0.6, 0.9: 3.5, 0.95: 5.0, "busy": 1.5}
 
 
-def algorithm(kind: str, sparsity: float) -> Any:
+def algorithm(kind: str, sparsity: float, every: int = 100) -> Any:
     if kind == "rigl":
-        return RigL(sparsity, update={"freq": 100}, drop_fraction=0.3, param_filter=FILTER, seed=0)
+        return RigL(
+            sparsity, update={"freq": every}, drop_fraction=0.3, param_filter=FILTER, seed=0
+        )
     return Static(sparsity, param_filter=FILTER, seed=0)
 
 
@@ -130,7 +134,9 @@ def _csr_of(executor: Any, module: torch.nn.Module) -> Any:
     return None if state is None else state.csr
 
 
-def child(variant: str, sparsity: float, kind: str, steps: int, quick: bool, threads: int) -> None:
+def child(
+    variant: str, sparsity: float, kind: str, steps: int, quick: bool, threads: int, every: int
+) -> None:
     """One training process: prints a JSON line of its figures."""
     torch.set_num_threads(threads)
     quiet()
@@ -141,7 +147,7 @@ def child(variant: str, sparsity: float, kind: str, steps: int, quick: bool, thr
     held = HeldBytes(steps - 1)
     callbacks: list[Any] = [held]
     if variant != "dense":
-        callbacks.append(algorithm(kind, sparsity))
+        callbacks.append(algorithm(kind, sparsity, every))
     batches = make_batches(LlamaConfig(**cfg), steps, BATCH, cfg["max_seq_len"], 0)
     times: list[float] = []
 
@@ -170,6 +176,7 @@ def run_child(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     command = [
         sys.executable, __file__, "_child", variant, "--sparsity", str(args.sparsity),
         "--kind", args.kind, "--steps", str(args.steps), "--threads", str(args.threads),
+        "--update-every", str(args.update_every),
     ] + (["--quick"] if args.quick else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}  # fmt: skip
@@ -184,19 +191,22 @@ def memory(args: argparse.Namespace) -> None:
     cfg = QUICK if args.quick else MODEL
     print(
         f"model: Llama {cfg}, batch {BATCH} x {cfg['max_seq_len']}, fp32, AdamW (fused); "
-        f"{args.kind} {args.sparsity:.0%} on {FILTER}; {args.steps} steps per process, "
-        f"{args.threads} threads"
+        f"{args.kind} {args.sparsity:.0%} on {FILTER}"
+        + (f" (mask update every {args.update_every} steps)" if args.kind == "rigl" else "")
+        + f"; {args.steps} steps per process, {args.threads} threads"
     )
+    update = args.update_every if args.kind == "rigl" and args.update_every < args.steps else None
     results = {v: run_child(args, v) for v in VARIANTS}
     mb = 1 / 1024
     print(f"\n{'variant':<16} {'peak RSS MB':>11} {'x cpu':>6} {'after model MB':>14} "
-          f"{'median step ms':>14}")  # fmt: skip
+          f"{'median step ms':>14}" + (f" {'update step ms':>14}" if update else ""))  # fmt: skip
     cpu_rss = results["cpu"]["peak_rss_kb"]
     for name, r in results.items():
         steps = sorted(r["step_s"][1:]) or r["step_s"]
         print(
             f"{name:<16} {r['peak_rss_kb'] * mb:>11.0f} {r['peak_rss_kb'] / cpu_rss:>6.2f} "
             f"{r['rss_after_model_kb'] * mb:>14.0f} {1e3 * steps[len(steps) // 2]:>14.1f}"
+            + (f" {1e3 * r['step_s'][update]:>14.1f}" if update and name != "dense" else "")
         )
     print("\nmasked layers at the last step (MB; masks are the algorithm's, listed apart):")
     print(f"{'variant':<16} {'weights':>8} {'indices':>8} {'grads':>8} {'state':>8} "
@@ -292,6 +302,10 @@ def main() -> None:
     parser.add_argument("--sparsities", default="0.9,0.95", help="speed: comma-separated")
     parser.add_argument("--kind", choices=("static", "rigl"), default="static")
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--update-every", type=int, default=100,
+        help="RigL's update cadence (memory --kind rigl --update-every 3: an update at step 3)",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--busy", action="store_true", help="speed: beside one busy process")
@@ -305,7 +319,8 @@ def main() -> None:
     if args.steps is None:
         args.steps = {"memory": 6, "speed": 7, "_child": 6}[args.mode]
     if args.mode == "_child":
-        child(args.variant, args.sparsity, args.kind, args.steps, args.quick, args.threads)
+        child(args.variant, args.sparsity, args.kind, args.steps, args.quick, args.threads,
+              args.update_every)  # fmt: skip
     elif args.mode == "memory":
         memory(args)
     else:

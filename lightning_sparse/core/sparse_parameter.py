@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import held
 from .masking import zero_pruned_
 from .sharding import full
 
@@ -92,8 +93,13 @@ class SparseParameter:
         self.module._buffers.pop(self.mask_name, None)
 
     def prune_(self) -> None:
-        """Zero the parameter at pruned positions, in place."""
-        zero_pruned_(self.param, self.mask)
+        """Zero the parameter at pruned positions, in place; a parameter whose values are held
+        elsewhere (`held`: the device's compact training) has its holder follow the mask."""
+        holder = held.holder_of(self.param)
+        if holder is not None:
+            holder.mask_changed()
+        else:
+            zero_pruned_(self.param, self.mask)
 
     @property
     def nnz(self) -> torch.Tensor:

@@ -2,18 +2,22 @@
 
 On the device a masked `nn.Linear` owned by a live sparsity algorithm trains in one of two forms:
 
-- **compact** (every ordinary step): the kept values ``[nnz]`` (CSR order of the mask) are an
-  `nn.Parameter` that takes the weight's place in its optimizer's param group; the value
-  gradient and the optimizer state (Adam's moments, SGD's momentum, ...) are ``[nnz]`` too. The
-  layer's ``weight`` parameter stays registered (same object, so the algorithm's references,
-  hooks and the state-dict keys stay) but holds no values: a one-element NaN storage expanded
-  to ``[out, in]``, so a stray read shows NaN and a stray write is an error. Nothing of the
-  weight's size is held.
-- **dense** (the steps whose mask update reads the dense weight and gradient: RigL, GraNet,
-  SET, GMP update steps; and whenever compact training does not apply): exactly the masked
-  dense state of ``accelerator="cpu"``, so the algorithm updates masks, prunes weights,
-  gradients and moments as the cpu path does (kept weights keep their moments, grown ones start
-  at zero with zero moments). The step after it goes compact again.
+- **compact** (every step, mask updates included): the kept values ``[nnz]`` (CSR order of
+  the mask) are an `nn.Parameter` that takes the weight's place in its optimizer's param group;
+  the value gradient and the optimizer state (Adam's moments, SGD's momentum, ...) are ``[nnz]``
+  too. The layer's ``weight`` parameter stays registered (same object, so the algorithm's
+  references, hooks and the state-dict keys stay) but holds no values: a one-element NaN storage
+  expanded to ``[out, in]``, so a stray read shows NaN and a stray write is an error. Nothing of
+  the weight's size is held between steps. The layer is the weight's holder (`core.held`): a
+  mask update reads a dense copy of one weight at a time from it, and pruning after the update
+  makes it `rebuild` its values, gradient and moments under the new mask, as the cpu path's
+  pruning leaves them (kept weights keep their moments, grown ones start at zero with zero
+  moments). On a step whose update reads the dense gradient (RigL, GraNet) the backward also
+  gives the weight parameter the dense ``[out, in]`` gradient, produced per layer; the update
+  reads it and the step drops it.
+- **dense** (whenever compact training does not apply: another optimizer, a dtype or device the
+  kernels do not run, no live algorithm): exactly the masked dense state of
+  ``accelerator="cpu"``.
 
 `to_compact` gathers weight, gradient and every weight-shaped optimizer state tensor at the kept
 positions and swaps the parameter in the optimizer; `to_dense` scatters them back. Both are all
@@ -39,6 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from lightning_sparse.core import held
 from lightning_sparse.wse.csr import CSRWeight
 
 __all__ = [
@@ -47,10 +52,10 @@ __all__ = [
     "CompactState",
     "find_slot",
     "qualifies",
+    "rebuild",
     "release",
     "to_compact",
     "to_dense",
-    "update_due",
 ]
 
 ELEMENTWISE = tuple(
@@ -187,6 +192,30 @@ def to_dense(compact: CompactState) -> None:
         optimizer.state[weight] = state
 
 
+def rebuild(
+    compact: CompactState, csr: CSRWeight, grad: Tensor | None
+) -> CompactState | None:
+    """The layer's mask changed to ``csr``'s (a mask update): its values, gradient and
+    optimizer state under the new structure, exactly as the cpu path prunes them. Kept weights
+    keep their values and moments; grown ones start at zero with zero moments; the gradient is
+    ``grad`` (the dense ``[out, in]`` gradient of this step, RigL's) at the kept positions, or the
+    old value gradient's (zero where grown). One layer is dense for the moment: `to_dense`, then
+    `to_compact` under ``csr``; the old compact state is spent, the returned one replaces it
+    (None: the optimizer is gone, the layer stays dense, pruned).
+    """
+    optimizer = compact.optimizer()
+    to_dense(compact)
+    weight = compact.weight
+    if grad is not None:
+        weight.grad = grad
+    slot = None if optimizer is None else find_slot([optimizer], weight)
+    if slot is None:
+        with torch.no_grad():
+            weight.data = csr.to_dense(csr.gather_values(weight.detach()))
+        return None
+    return to_compact(weight, csr, slot)
+
+
 def release(compact: CompactState) -> None:
     """End of training (the executor's removal): the weight holds its dense values again, so the
     model is an ordinary model, and its gradient is dropped. The optimizer keeps the kept values
@@ -195,23 +224,13 @@ def release(compact: CompactState) -> None:
     with torch.no_grad():
         compact.weight.data = compact.csr.to_dense(compact.values.detach())
     compact.weight.grad = None
+    held.release(compact.weight)
 
 
 def _moved(state: dict[str, Any], shape: torch.Size, move: Any) -> dict[str, Any]:
     """``state`` with every tensor of ``shape`` passed through ``move``; the rest (``step``,
     scalars) as they are."""
     return {k: move(v) if torch.is_tensor(v) and v.shape == shape else v for k, v in state.items()}
-
-
-def update_due(algorithm: Any) -> bool:
-    """Whether ``algorithm`` will (or may) change its masks before the coming optimizer step:
-    the condition of `SparsityAlgorithm.update`, or any step when the user drives updates
-    (``autoupdate`` off). A layer trains dense through such a step."""
-    if algorithm is None or not algorithm.sparse_params:
-        return False
-    if not algorithm.autoupdate:
-        return True
-    return algorithm.last_update_step != algorithm.step and algorithm.is_update_step()
 
 
 class Layer(Protocol):

@@ -198,27 +198,35 @@ class WSEExecutor:
         return [m for m in self._layers if _owner(m) is self]
 
     def settle(self, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Layers that trained dense through a mask update go compact again (after an optimizer
-        step: nothing of the weight's size is held between steps)."""
+        """After an optimizer step nothing of a weight's size is held: a dense gradient no mask
+        update read (an update the step skipped) is dropped, and layers that could not train
+        compact before (a mask registered since) go compact."""
         if self.compact is None:
             return
         for module in self.layers:
             state = STATE[module]
             mask = module._buffers.get(MASK)
-            if state.compact is None and mask is not None:
+            if state.compact is not None:
+                state.compact.weight.grad = None
+            elif mask is not None:
                 state.try_compact(module, mask)
 
     def dense_grads(self) -> dict[str, Tensor]:
         """``{name: dense gradient}`` of every compact layer's weight that has a gradient, as
-        the cpu path holds it (``[out, in]``, zeros at pruned positions; a new tensor); names
+        the cpu path holds it (``[out, in]``, zeros at pruned positions, or the whole dense
+        gradient before a RigL/GraNet update reads it; a new tensor); names
         as ``root.named_parameters()`` gives them. For inspecting a compact run."""
         root = self._root()
         out: dict[str, Tensor] = {}
         for name, module in [] if root is None else root.named_modules():
             state = STATE.get(module)
             compact = None if state is None else state.compact
-            if compact is not None and compact.values.grad is not None:
-                key = f"{name}.weight" if name else "weight"
+            if compact is None:
+                continue
+            key = f"{name}.weight" if name else "weight"
+            if compact.weight.grad is not None:  # a RigL/GraNet update step's dense gradient
+                out[key] = compact.weight.grad.clone()
+            elif compact.values.grad is not None:
                 out[key] = compact.csr.to_dense(compact.values.grad)
         return out
 

@@ -3,7 +3,9 @@
 `LayerState.run` is the forward of a `WSELinear` (or device ``Conv1D``) that the executor runs;
 its cases are the executor module's docstring. The structure is cached per mask (object and
 version); the algorithms owning the weight are read at each rebuild; a layer trains in compact
-form (`compact.py`) when it qualifies (`try_compact`) and dense through mask-update steps.
+form (`compact.py`) when it qualifies (`try_compact`), through mask updates too: it is the
+weight's holder (`core.held`), so the algorithm reads one dense weight at a time from it and the
+layer rebuilds its compact form under each new mask (`mask_changed`).
 Inference is `inference.py`'s.
 """
 
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_sparse.core import held
 from lightning_sparse.core.algorithms import SparsityAlgorithm
 from lightning_sparse.wse import compact as compact_state
 from lightning_sparse.wse.autotune import resolve_path
@@ -27,7 +30,7 @@ from lightning_sparse.wse.counters import BackwardCounter
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.inference import FAST, MASK, FastInference, infer, infer_compact
 from lightning_sparse.wse.kernels import sparse_linear
-from lightning_sparse.wse.ops import DenseWeightGrad, run_compact_path
+from lightning_sparse.wse.ops import CompactDenseWeightGrad, DenseWeightGrad, run_compact_path
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
 
@@ -138,9 +141,7 @@ class LayerState:
         inference = not torch.is_grad_enabled() or not (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
-        if self.compact is not None and not inference and self._update_due():
-            self.decompact()  # the mask update reads the dense weight: this step runs dense
-        elif self.compact is None and not inference:
+        if self.compact is None and not inference:
             self.try_compact(module, mask)
         if self.compact is not None:
             return self._run_compact(x, module, inference)
@@ -183,8 +184,7 @@ class LayerState:
     def try_compact(self, module: nn.Module, mask: Tensor) -> None:
         """Go compact if the layer qualifies: the executor has optimizers, the weight (an
         `nn.Linear`'s, float32/float64 on the CPU) is stepped by one elementwise optimizer, a
-        live algorithm keeps its pruned entries at 0 (`zeros_kept`) and no mask update is due
-        before the coming step."""
+        live algorithm keeps its pruned entries at 0 (`zeros_kept`)."""
         registry = self.executor.compact
         weight = module._parameters.get("weight")
         if registry is None or self.in_out or weight is None or not weight.requires_grad:
@@ -192,12 +192,13 @@ class LayerState:
         if weight.dtype not in CSR_DTYPES or weight.device.type != "cpu":
             return
         csr = self.structure(module, mask, transpose=True, permutation=True)  # finds owners
-        if not self.zeros_kept(module, mask) or self._update_due():
+        if not self.zeros_kept(module, mask):
             return
         slot = compact_state.find_slot(registry.optimizers(), weight)
         if slot is None or not compact_state.qualifies(slot[0]):
             return
         self.compact = compact_state.to_compact(weight, csr, slot)
+        held.hold(weight, self)
         registry.add(self, slot[0])
 
     def decompact(self) -> None:
@@ -207,9 +208,43 @@ class LayerState:
             return
         compact_state.to_dense(compact)
         self.compact = None
+        held.release(compact.weight)
         if self.executor.compact is not None:
             self.executor.compact.discard(compact)
         self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+
+    # The holder of a compact weight (`core.held.Holder`).
+    def dense_weight(self) -> Tensor:
+        """The compact weight as a new dense ``[out, in]`` tensor (zeros where pruned)."""
+        assert self.compact is not None
+        return self.compact.dense_weight()
+
+    def mask_changed(self) -> None:
+        """The owner wrote a new mask (a mask update, a loaded sparsity state): the values,
+        gradient and optimizer state follow it (`compact.rebuild`); the dense gradient this step's
+        update read is dropped. Unchanged structure: nothing moves."""
+        compact, module = self.compact, self._module()
+        assert compact is not None and module is not None
+        grad, compact.weight.grad = compact.weight.grad, None
+        mask = module._buffers.get(MASK)
+        if mask is None:  # removed (densify): the next forward goes dense
+            return
+        csr = self.structure(module, mask, transpose=True, permutation=True)
+        if csr is compact.csr:
+            return
+        registry = self.executor.compact
+        assert registry is not None
+        registry.discard(compact)
+        self.compact = None
+        rebuilt = compact_state.rebuild(compact, csr, grad)
+        self.values, self.values_key, self.runners, self.fast = None, None, {}, None
+        if rebuilt is None:
+            held.release(compact.weight)
+            return
+        self.compact = rebuilt
+        optimizer = rebuilt.optimizer()
+        assert optimizer is not None
+        registry.add(self, optimizer)
 
     def _compact_current(self, module: nn.Module, mask: Tensor | None) -> bool:
         """Whether the compact form still matches the module's weight and mask."""
@@ -218,9 +253,6 @@ class LayerState:
         if mask is None or module._parameters.get("weight") is not compact.weight:
             return False
         return self.structure(module, mask, transpose=True, permutation=True) is compact.csr
-
-    def _update_due(self) -> bool:
-        return any(compact_state.update_due(ref()) for ref in self.owners)
 
     def _run_compact(self, x: Tensor, module: nn.Module, inference: bool) -> Tensor:
         """The forward of a compact layer: from its values, in training or inference."""
@@ -239,9 +271,17 @@ class LayerState:
             path = self.executor.path
             chosen = resolve_path(x, compact.values, csr, path, requires_grad=True, compact=True)
             self.compact_paths[tokens] = chosen
-        y = run_compact_path(chosen, x, compact.values, csr, bias)
         nnz = compact.weight.numel() if chosen == "dense" else csr.nnz
-        self._record(x, y, compact.weight, nnz, dense_grad=False)
+        # RigL/GraNet update step: the weight parameter also gets the dense gradient (per layer,
+        # accumulated over micro-batches; the update reads it, `mask_changed` drops it), and the
+        # values their gradient from it.
+        dense_grad = any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
+        if dense_grad:
+            y = run_compact_path(chosen, x, compact.values.detach(), csr, bias)
+            y = CompactDenseWeightGrad.apply(y, x, compact.weight, compact.values, csr)
+        else:
+            y = run_compact_path(chosen, x, compact.values, csr, bias)
+        self._record(x, y, compact.weight, nnz, dense_grad)
         return y
 
     def zeros_kept(self, module: nn.Module, mask: Tensor) -> bool:

@@ -101,7 +101,7 @@ class WSEAccelerator(CPUAccelerator):
             False, `get_device_stats` returns them instead (for ``DeviceStatsMonitor``).
         compact: in ``fit``, masked layers train their kept values only (`compact.py`: the
             optimizer steps the values, no dense weight, gradient or moments are held between
-            steps; update steps run dense). False keeps the dense training state.
+            steps; mask updates rebuild the values). False keeps the dense training state.
     """
 
     def __init__(

@@ -35,7 +35,7 @@ from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.threads import kernel_threads
 
-__all__ = ["DenseWeightGrad", "csr_runner", "inference_runner", "run_compact_path", "run_path"]
+__all__ = ["CompactDenseWeightGrad", "DenseWeightGrad", "csr_runner", "inference_runner", "run_compact_path", "run_path"]
 
 
 def inference_runner(
@@ -351,6 +351,29 @@ class DenseWeightGrad(torch.autograd.Function):
         if ctx.needs_input_grad[2]:
             grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         return grad_y, None, grad_w
+
+
+class CompactDenseWeightGrad(torch.autograd.Function):
+    """`DenseWeightGrad` for a compact layer (a RigL/GraNet update step): identity on ``y``
+    (computed from the detached ``values``), whose backward gives the weight parameter (which
+    holds no values) the dense gradient ``dW = grad_Y^T X`` ``[out, in]`` and ``values`` that
+    gradient at its kept positions, ``[nnz]`` in ``csr``'s order: one dense matmul, no sampled
+    one beside it, and the value gradient is exactly the cpu path's masked dense gradient."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, y: Tensor, x: Tensor, weight: Tensor, values: Tensor, csr: CSRWeight
+    ) -> Tensor:
+        ctx.save_for_backward(x)
+        ctx.csr = csr
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+        grad_values = ctx.csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
+        return grad_y, None, grad_w if ctx.needs_input_grad[2] else None, grad_values, None
 
 
 # --- Backends -------------------------------------------------------------------------------------

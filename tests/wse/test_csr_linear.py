@@ -59,10 +59,13 @@ def test_bitmask_and_dense_builds_equal_the_dense_layer(
         expected_columns = torch.int16 if COMPILED and shape[1] <= 65536 else torch.int32
         assert layer.col_indices.dtype == expected_columns
         for tokens in (1, 3):
-            x = torch.randn(2, tokens, shape[1])
+            x = torch.randn(2, tokens, shape[1], generator=torch.Generator().manual_seed(tokens))
             with torch.no_grad():
                 y = layer(x)
-            torch.testing.assert_close(y.double(), reference(x.double()), rtol=1e-4, atol=1e-4)
+            # float32 sums of up to 7,000 unit products: rounding grows as sqrt(terms) (1e-4 at
+            # 3,000 or fewer kept per row; was exceeded at 7,000 by an unseeded input).
+            atol = 1e-4 * max(1.0, (0.1 * shape[1] / 3000) ** 0.5)
+            torch.testing.assert_close(y.double(), reference(x.double()), rtol=1e-4, atol=atol)
 
 
 def test_it_equals_the_executor_bit_for_bit_and_holds_no_int32_column_copy() -> None:

@@ -165,6 +165,81 @@ def test_mask_updates_move_weights_and_moments_as_the_cpu_path(optimizer: str) -
     assert any(not torch.equal(first[k], last[k]) for k in first)  # the masks did change
 
 
+class InspectUpdate(pl.Callback):
+    """Listed before the algorithm: around the mask update of step ``step``, what is held."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.masks, self.after = step, {}, 0
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any):
+        if trainer.global_step != self.step:
+            return
+        (algorithm,) = [c for c in trainer.callbacks if isinstance(c, SparsityAlgorithm)]
+        assert algorithm.is_update_step(self.step)
+        for sp in algorithm.sparse_params.values():
+            weight = sp.param
+            # Still compact: the weight holds one element, and the dense gradient RigL reads.
+            assert weight.untyped_storage().nbytes() == weight.element_size(), sp.name
+            assert weight.grad is not None and weight.grad.shape == weight.shape, sp.name
+            self.masks[sp.name] = sp.mask.clone()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step != self.step + 1:
+            return
+        (algorithm,) = [c for c in trainer.callbacks if isinstance(c, SparsityAlgorithm)]
+        layers = trainer.accelerator.executor.compact.layers.values()
+        compact = {id(layer.compact.weight): layer.compact for layer in layers}
+        params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
+        for sp in algorithm.sparse_params.values():
+            weight = sp.param
+            assert weight.untyped_storage().nbytes() == weight.element_size(), sp.name
+            assert weight.grad is None, sp.name  # the dense gradient was dropped
+            values = compact[id(weight)].values
+            assert values.shape == (int(sp.mask.sum()),) and any(p is values for p in params)
+            self.after += 1
+
+
+def test_a_mask_update_keeps_the_layers_compact() -> None:
+    """RigL's update step: no layer goes dense; the weight parameters carry the dense gradient
+    only until the update has read it, and the values follow the new masks."""
+    inspect = InspectUpdate(step=3)
+    module, trainer = _fit("wse", _rigl(), steps=5, callbacks=(inspect,))
+    assert len(inspect.masks) == inspect.after == MASKED
+    after = _masks(module)
+    changed = [n for n, m in inspect.masks.items() if not torch.equal(m, after[f"{n}_mask"])]
+    assert changed  # the update did change masks under the compact layers
+    cpu, _ = _fit("cpu", _rigl(), steps=5)
+    _close(module.state_dict(), cpu.state_dict(), "state_dict")
+
+
+class LoadSparsityState(pl.Callback):
+    """At one step: reload the algorithm's own state (masks from another run) mid-run."""
+
+    def __init__(self, step: int, state: dict[str, Any]) -> None:
+        self.step, self.state = step, state
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            (algorithm,) = [c for c in trainer.callbacks if isinstance(c, SparsityAlgorithm)]
+            algorithm.load_state_dict(self.state)
+
+
+def test_loading_the_sparsity_state_mid_run_moves_the_compact_layers_as_the_cpu() -> None:
+    """Masks written by loading the algorithm's state while the layers are compact: the values
+    and moments follow them (`core.held`), as pruning does on the cpu path."""
+    donor = _rigl()
+    _fit("cpu", donor, steps=7)  # masks after two updates: not the run's masks at step 4
+    state = copy.deepcopy(donor.state_dict())
+    state["step"] = 4
+    state["last_update_step"] = 3
+    runs = {}
+    for name in ("cpu", "wse"):
+        module, trainer = _fit(name, _rigl(), steps=6, callbacks=(LoadSparsityState(4, state),))
+        runs[name] = (module.state_dict(), copy.deepcopy(trainer.optimizers[0].state_dict()),
+                      _masks(module))  # fmt: skip
+    _close(runs["wse"], runs["cpu"], "run")
+
+
 def test_rigl_200_steps_equal_the_cpu_path() -> None:
     """Losses over 200 steps of RigL (updates every 25 steps) and the final masks."""
     losses = {}

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, report, validate
+from .. import applied, held, report, validate
 from ..apply_checks import check_candidates, check_mask, check_optimizer, check_shaper
 from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
@@ -405,9 +405,10 @@ class SparsityAlgorithm(ABC):
         gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
         masks = {}
         for name, sp in self.sparse_params.items():
-            param = p = sp.param
+            param = sp.param
             if not param.requires_grad:  # frozen (PEFT base weights): a fixed mask
                 continue
+            p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
             if is_sharded(param):
                 p = full(param.detach())
                 p.grad = full(param.grad) if param.grad is not None else None

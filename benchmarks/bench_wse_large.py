@@ -14,6 +14,10 @@ tensors' ``nbytes``; the algorithms' bool masks listed apart). Variants: ``dense
 sparsity), ``cpu`` (masked dense training), ``wse`` (compact training state, the default) and
 ``wse-dense-state`` (``WSEAccelerator(compact=False)``). Goals at 90%: masked layers' weights +
 gradients + state on the device <= 0.2x the cpu path's; peak RSS <= 0.6x the cpu path's.
+``--kind rigl --update-every 3`` puts a RigL mask update (dense gradients, masks rebuilt) at
+step 3 and adds its step time. ``--live`` runs the children with glibc's mmap threshold fixed at
+64 KiB, so a freed block leaves the process: peak RSS is then what was live at the peak, apart
+from the free heap space glibc keeps by default (steps run slower; memory figures only).
 
 ``speed``: the cpu path and the device at each sparsity (plus a dense cpu run), every Trainer in
 one process, stepped round-robin with the order rotated each round (`_harness.run_interleaved`);
@@ -22,8 +26,7 @@ median and minimum step time. ``--busy`` starts one busy-looping process pinned 
 one busy process >= 1.5x.
 
     python benchmarks/bench_wse_large.py memory [--sparsity 0.9] [--steps 6]
-    python benchmarks/bench_wse_large.py memory --kind rigl --update-every 3   # peak through
-                                                                              # a mask update
+    python benchmarks/bench_wse_large.py memory --kind rigl --update-every 3 [--live]
     python benchmarks/bench_wse_large.py speed [--sparsities 0.9,0.95] [--steps 7] [--busy]
     python benchmarks/bench_wse_large.py {memory,speed} --quick   # tiny model, smoke run
 """
@@ -180,6 +183,8 @@ def run_child(args: argparse.Namespace, variant: str) -> dict[str, Any]:
     ] + (["--quick"] if args.quick else [])  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))}  # fmt: skip
+    if args.live:  # glibc: every block of 64 KiB or more is mmapped, so a free unmaps it
+        env["MALLOC_MMAP_THRESHOLD_"] = "65536"
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         sys.exit(f"{variant} failed:\n{done.stderr[-3000:]}")
@@ -194,6 +199,7 @@ def memory(args: argparse.Namespace) -> None:
         f"{args.kind} {args.sparsity:.0%} on {FILTER}"
         + (f" (mask update every {args.update_every} steps)" if args.kind == "rigl" else "")
         + f"; {args.steps} steps per process, {args.threads} threads"
+        + ("; MALLOC_MMAP_THRESHOLD_=65536 (--live)" if args.live else "")
     )
     update = args.update_every if args.kind == "rigl" and args.update_every < args.steps else None
     results = {v: run_child(args, v) for v in VARIANTS}
@@ -315,6 +321,12 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--no-dense", action="store_true", help="speed: skip the dense cpu run")
     parser.add_argument("--quick", action="store_true", help="tiny model (smoke run)")
+    parser.add_argument(
+        "--live", action="store_true",
+        help="memory: children run with MALLOC_MMAP_THRESHOLD_=65536 (glibc), so freed blocks "
+        "leave the process and peak RSS is what was live at the peak, not what the allocator "
+        "kept; slower steps",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.steps is None:
         args.steps = {"memory": 6, "speed": 7, "_child": 6}[args.mode]

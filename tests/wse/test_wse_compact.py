@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from lightning_sparse import RigL, Static
 from lightning_sparse.core.algorithms import SparsityAlgorithm
+from lightning_sparse.lightning.imp import IterativePruning
 from lightning_sparse.lightning.spdf import VariableSPDF
 from lightning_sparse.wse import WSEAccelerator
 from tests.helpers import (  # one_thread: autouse fixture
@@ -364,3 +365,20 @@ def test_densified_mid_run_the_layers_go_dense_and_train_as_on_the_cpu() -> None
     assert not any(k.endswith("_mask") for k in runs["cpu"][0])
     _close(runs["wse"][0], runs["cpu"][0], "state_dict")
     _close(runs["wse"][1], runs["cpu"][1], "optimizer")
+
+
+def test_iterative_pruning_levels_on_compact_layers_equal_the_cpu_path() -> None:
+    """`IterativePruning` (magnitude pruning at each level start, the kept count shrinking): the
+    compact layers rebuild at every level and train as the cpu path, state dicts equal."""
+    runs = {}
+    for name in ("cpu", "wse"):
+        imp = IterativePruning(3, levels=2, prune_fraction=0.5, param_filter="*proj.weight",
+                               verbose=False)  # fmt: skip
+        module = TinyLlamaLM()
+        trainer = _trainer(_accelerator(name), [imp], max_steps=8)
+        trainer.fit(module, token_loader(n=64))
+        runs[name] = (module.state_dict(), copy.deepcopy(trainer.optimizers[0].state_dict()),
+                      _masks(module))  # fmt: skip
+    masks = runs["cpu"][2]
+    assert len(masks) == MASKED and all(0.7 < 1 - m.float().mean() < 0.8 for m in masks.values())
+    _close(runs["wse"], runs["cpu"], "run")

@@ -125,10 +125,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# gloo's threads can abort a process at interpreter exit, after its work is done and the group
+# destroyed ("terminate called without an active exception"; seen once in CI, 2026-11-26; a
+# known race, pytorch/pytorch PR 179291). Such an exit is accepted only when every result file
+# was written completely; any other failure fails the test.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _results_complete(out: Path, names: list[str]) -> bool:
+    for name in names:
+        try:
+            torch.load(out / name, weights_only=False)
+        except Exception:  # missing or cut short
+            return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
-    mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
+    try:
+        mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
+    except mp.ProcessExitedException as error:
+        names = [f"{kind}-rank{rank}.pt" for kind in KINDS for rank in range(2)]
+        if error.signal_name != "SIGABRT" or not _results_complete(out, names):
+            raise
     return out
 
 
@@ -175,7 +196,10 @@ def test_lightning_model_parallel_strategy_fsdp2(tmp_path: Path) -> None:
             text=True,
             timeout=300,
         )
-        assert done.returncode == 0, done.stderr[-3000:]
+        names = ["rank0.pt", "rank1.pt"] if mode == "fsdp2" else ["single.pt"]
+        exit_abort = done.returncode in (-6, 134) and GLOO_EXIT_ABORT in done.stderr
+        ok = done.returncode == 0 or (exit_abort and _results_complete(tmp_path, names))
+        assert ok, done.stderr[-3000:]
     single = torch.load(tmp_path / "single.pt", weights_only=False)
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)

@@ -45,6 +45,9 @@ def loop_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--preset", default="small", help="LlamaConfig preset")
+    parser.add_argument(
+        "--dim", type=int, default=None, help="override the preset's width (1024: about 50M)"
+    )
     return parser
 
 

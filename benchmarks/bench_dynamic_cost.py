@@ -235,7 +235,8 @@ def main() -> None:
     fused = args.adamw == "fused"
     clock = time.thread_time if args.cpu_time else time.perf_counter
 
-    cfg = LlamaConfig.from_preset(args.preset, max_seq_len=max(args.seq, 16))
+    width = {} if args.dim is None else {"dim": args.dim}
+    cfg = LlamaConfig.from_preset(args.preset, max_seq_len=max(args.seq, 16), **width)
     batches = make_batches(cfg, args.warmup + args.steps, args.batch, args.seq, args.seed)
     print(machine_facts())
     model = build_model(cfg, args.seed)

@@ -23,6 +23,8 @@ in the plain loop and under Lightning. The benchmark exits 0 whether or not the 
     python benchmarks/bench_step_cost.py --fused     # AdamW(fused=True), as LitCausalLM uses
     python benchmarks/bench_step_cost.py --cpu-time  # 1 thread, CPU time: robust to load
     python benchmarks/bench_step_cost.py --quick     # tiny model, a few steps: a smoke run
+    python benchmarks/bench_step_cost.py --hold-ab [--dim 1024 --steps 7 --warmup 2]
+        # adds "static no hold": the A/B of holding Adam's pruned denominators at 1.0
 """
 
 from __future__ import annotations
@@ -82,12 +84,18 @@ def plain_dense(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> Plain
     return PlainRun(model, adamw(model.parameters(), fused), clock=clock)
 
 
-def plain_static(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> PlainRun:
+def plain_static(
+    cfg: LlamaConfig, seed: int, fused: bool, clock: Clock, hold: bool = True
+) -> PlainRun:
+    """``hold=False``: without holding Adam's pruned denominators at 1.0 during the step
+    (`StepHooks.hold_denominators` a no-op on this run): the A/B of that choice, ``--hold-ab``."""
     model = build_model(cfg, seed)
     sparsity = Static(sparsity=SPARSITY)
     model.apply(sparsity)
     optimizer = adamw(model.parameters(), fused)
     sparsity.apply(optimizer)
+    if not hold:
+        sparsity.hooks.hold_denominators = lambda optimizer: None  # type: ignore[method-assign]
     return PlainRun(model, optimizer, clock=clock)
 
 
@@ -163,6 +171,10 @@ def main() -> None:
         help="one torch thread, timed in CPU time of the stepping thread (robust to load)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke run)")
+    parser.add_argument(
+        "--hold-ab", action="store_true",
+        help="add 'static no hold': Static without Adam's pruned denominators held at 1.0",
+    )  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.preset, args.batch, args.seq, args.steps, args.warmup = "tiny", 2, 16, 3, 1
@@ -174,7 +186,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     quiet()  # Lightning's "GPU available: ..." and dataloader advice, torch.ao notices
 
-    cfg = LlamaConfig.from_preset(args.preset, max_seq_len=max(args.seq, 16))
+    width = {} if args.dim is None else {"dim": args.dim}
+    cfg = LlamaConfig.from_preset(args.preset, max_seq_len=max(args.seq, 16), **width)
     n_batches = args.warmup + args.steps
     batches = make_batches(cfg, n_batches, args.batch, args.seq, args.seed)
     print(machine_facts())
@@ -192,6 +205,8 @@ def main() -> None:
         "static": plain_static(cfg, args.seed, args.fused, clock),
         "torch.ao": plain_torch_ao(cfg, args.seed, args.fused, clock),
     }
+    if args.hold_ab:
+        runs["static no hold"] = plain_static(cfg, args.seed, args.fused, clock, hold=False)
     try:
         for name, sparse in (("lightning dense", False), ("lightning static", True)):
             runs[name] = LightningRun(cfg, args.seed, args.fused, batches, sparse, clock)
@@ -218,6 +233,7 @@ def main() -> None:
             "torch.ao": "dense",
             "lightning dense": "dense",
             "lightning static": "lightning dense",
+            "static no hold": "dense",
         },
     )
     print_phases(

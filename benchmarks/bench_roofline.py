@@ -141,13 +141,17 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(machine_facts())
     peak, bandwidth = compute_roof(args.repeats), memory_roof(args.repeats)
-    print(f"roofs: compute {peak:.1f} GFLOP/s (dense matmul 2048^3, the vendor BLAS); memory "
-          f"{bandwidth:.1f} GB/s (triad, 64M floats); ridge {peak / bandwidth:.1f} FLOP/byte")  # fmt: skip
+    print(
+        f"roofs: compute {peak:.1f} GFLOP/s (dense matmul 2048^3, the vendor BLAS); memory "
+        f"{bandwidth:.1f} GB/s (triad, 64M floats); ridge {peak / bandwidth:.1f} FLOP/byte"
+    )
     (tokens,), shapes = MODELS[args.model]
     print(f"\nmodel {args.model}: {tokens} tokens; float32; {args.threads} threads; median of "
           f"{args.repeats}\n")  # fmt: skip
-    header = (f"{'layer':<10} {'sparsity':>8} {'pass':<11} {'kernel':<7} {'ms':>7} "
-              f"{'GFLOP/s':>8} {'FLOP/B':>7} {'roof':>7} {'of roof':>7} {'dense/sparse':>12}")  # fmt: skip
+    header = (
+        f"{'layer':<10} {'sparsity':>8} {'pass':<11} {'kernel':<7} {'ms':>7} "
+        f"{'GFLOP/s':>8} {'FLOP/B':>7} {'roof':>7} {'of roof':>7} {'dense/sparse':>12}"
+    )
     print(header)
     for sparsity in (float(s) for s in args.sparsities.split(",")):
         for out_f, in_f in shapes:

@@ -35,7 +35,14 @@ from lightning_sparse.wse import native
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.threads import kernel_threads
 
-__all__ = ["CompactDenseWeightGrad", "DenseWeightGrad", "csr_runner", "inference_runner", "run_compact_path", "run_path"]
+__all__ = [
+    "CompactDenseWeightGrad",
+    "DenseWeightGrad",
+    "csr_runner",
+    "inference_runner",
+    "run_compact_path",
+    "run_path",
+]
 
 
 def inference_runner(

@@ -175,6 +175,32 @@ def _widen(columns: Tensor) -> Tensor:
 
 
 # --- Autograd -------------------------------------------------------------------------------------
+def _csr_backward(
+    ctx: Any,
+    grad_y2: Tensor,
+    x2: Tensor,
+    transposed_values: Callable[[], Tensor],
+    second_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor],
+) -> tuple[Tensor | None, ...]:
+    """The backward of a CSR linear ``Y2 [N, out] = X2 [N, in] S^T + b``: the input gradient
+    through ``S^T``'s CSR (its values from ``transposed_values``), the gradient of the second
+    input (the dense weight's, zero where pruned, or the kept values') from ``second_grad``, and
+    the bias gradient; each only where autograd needs it."""
+    csr, backend = ctx.csr, ctx.backend
+    grad_y2 = grad_y2.contiguous()
+    grad_x = grad_second = grad_b = None
+    if ctx.needs_input_grad[0]:
+        t_values = transposed_values()
+        t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
+        assert t_crow is not None and t_col is not None
+        grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
+    if ctx.needs_input_grad[1]:
+        grad_second = second_grad(csr, grad_y2, x2)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_b = grad_y2.sum(0)
+    return grad_x, grad_second, grad_b, None, None
+
+
 class _SparseLinearFunction(torch.autograd.Function):
     """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
 
@@ -197,19 +223,10 @@ class _SparseLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        csr, backend = ctx.csr, ctx.backend
-        grad_y2 = grad_y2.contiguous()
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            t_values = csr.gather_values_t(weight)  # raises on a forward-only structure
-            t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
-            assert t_crow is not None and t_col is not None
-            grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
-        if ctx.needs_input_grad[1]:
-            grad_w = backend.sampled_grad(csr, grad_y2, x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y2.sum(0)
-        return grad_x, grad_w, grad_b, None, None
+        # W^T's values gathered from the weight (raises on a forward-only structure).
+        return _csr_backward(
+            ctx, grad_y2, x2, lambda: ctx.csr.gather_values_t(weight), ctx.backend.sampled_grad
+        )
 
 
 class _MaskedWeight(torch.autograd.Function):
@@ -298,19 +315,10 @@ class _CSRLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x2, values = ctx.saved_tensors
-        csr, backend = ctx.csr, ctx.backend
-        grad_y2 = grad_y2.contiguous()
-        grad_x = grad_v = grad_b = None
-        if ctx.needs_input_grad[0]:
-            t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
-            assert t_crow is not None and t_col is not None
-            t_values = csr.transposed_values(values.detach())
-            grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
-        if ctx.needs_input_grad[1]:
-            grad_v = backend.sampled_values(csr, grad_y2, x2)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y2.sum(0)
-        return grad_x, grad_v, grad_b, None, None
+        return _csr_backward(
+            ctx, grad_y2, x2, lambda: ctx.csr.transposed_values(values.detach()),
+            ctx.backend.sampled_values,
+        )  # fmt: skip
 
 
 class _Densify(torch.autograd.Function):

@@ -66,8 +66,10 @@ def check_candidates(
                 "use one Group to give parameters different algorithms"
             )
         elif hasattr(module, buffer):
-            raise RuntimeError(f"{type(module).__name__} already has an attribute {buffer!r}, "
-                               f"where the mask of {name!r} would go; rename that attribute")
+            raise RuntimeError(
+                f"{type(module).__name__} already has an attribute {buffer!r}, "
+                f"where the mask of {name!r} would go; rename that attribute"
+            )
         if getattr(param, "requires_dense", False):
             raise RuntimeError(f"{name!r} has requires_dense=True and cannot be sparsified")
         if not param.is_floating_point():
@@ -76,9 +78,11 @@ def check_candidates(
                 "sparsified: exclude it with param_filter"
             )
         if param.ndim < 2 and filtered:
-            warnings.warn(f"{owner}: param_filter selected the {param.ndim}-D parameter "
-                          f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
-                          stacklevel=5)
+            warnings.warn(
+                f"{owner}: param_filter selected the {param.ndim}-D parameter "
+                f"{name!r} (a bias or norm scale?); sparsifying it is rarely intended",
+                stacklevel=5,
+            )
         shaper.check(param.shape[::-1] if name in in_out else param.shape, name)
     return orphans
 
@@ -112,8 +116,7 @@ def check_optimizer(
     not yet to this optimizer, and the optimizer holds ``root``'s parameters only."""
     if root is None:
         raise RuntimeError(
-            f"apply the sparsity to the model first (model.apply({owner})), then to the "
-            "optimizer"
+            f"apply the sparsity to the model first (model.apply({owner})), then to the optimizer"
         )
     if any(o is optimizer for o in attached):
         raise RuntimeError(f"{owner} is already applied to this optimizer")

@@ -105,9 +105,7 @@ def output_head_ids(root: nn.Module) -> set[int]:
         if isinstance(head, nn.Module):
             ids.update(id(p) for p in head.parameters())
         num_labels = getattr(getattr(module, "config", None), "num_labels", None)
-        projections = [
-            m for m in module.modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)
-        ]
+        projections = [m for m in module.modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
         if projections and num_labels is not None:
             last = projections[-1]
             out_features = last.weight.shape[1 if is_hf_conv1d(last) else 0]

@@ -60,8 +60,10 @@ def sqrt_state(
         state = optimizer.state.get(sp.param, {})
         for key in keys:
             value = state.get(key)
-            if type(value) is torch.Tensor and value.device.type == "cpu" and not getattr(
-                value, "requires_dense", False
+            if (
+                type(value) is torch.Tensor
+                and value.device.type == "cpu"
+                and not getattr(value, "requires_dense", False)
             ):
                 tensors.append(value)
                 masks.append(sp.mask)

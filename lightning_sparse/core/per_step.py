@@ -286,8 +286,9 @@ class StepHooks:
         param = sp.param
         if known.is_meta:
             sp.register_mask(self.initial_mask(sp.name, param.detach()).to(param.device))
-        elif current is None or current.is_meta or not torch.equal(known.to(current.device),
-                                                                   current):
+        elif (
+            current is None or current.is_meta or not torch.equal(known.to(current.device), current)
+        ):
             sp.register_mask(known.to(param.device))
 
     # ------------------------------------------------------------------ 5. a model state loads

@@ -66,68 +66,91 @@ def check_state(state: Any, expected: Expected, target: Target, loading: bool = 
     """
     owner = expected.owner
     if not isinstance(state, Mapping):
-        raise TypeError(f"{owner}: sparsity state must be the dict state_dict() returned, got "
-                        f"{type(state).__name__}")
+        raise TypeError(
+            f"{owner}: sparsity state must be the dict state_dict() returned, got "
+            f"{type(state).__name__}"
+        )
     if "step" not in state:
-        raise KeyError(f"{owner}: sparsity state {sorted(state)} has no 'step'; pass what "
-                       "state_dict() returned")
+        raise KeyError(
+            f"{owner}: sparsity state {sorted(state)} has no 'step'; pass what "
+            "state_dict() returned"
+        )
     _int(state, "step", None, owner)
     _int(state, "last_update_step", -1, owner)
     if "algorithm" in state and state["algorithm"] != expected.kind:
-        raise ValueError(f"{owner}: the checkpoint holds {state['algorithm']!r} state, not "
-                         f"{expected.kind!r}; resume with the algorithm that wrote it")
+        raise ValueError(
+            f"{owner}: the checkpoint holds {state['algorithm']!r} state, not "
+            f"{expected.kind!r}; resume with the algorithm that wrote it"
+        )
     # A state without parameters comes from a removed (densified) algorithm: VariableSPDF.
     if state.get("removed") and state.get("masks"):
-        raise ValueError(f"{owner}: the sparsity state of a removed algorithm holds masks; the "
-                         "checkpoint is corrupt")
+        raise ValueError(
+            f"{owner}: the sparsity state of a removed algorithm holds masks; the "
+            "checkpoint is corrupt"
+        )
     if state.get("params") and expected.shapes:
         theirs = {name: list(shape) for name, shape in state["params"].items()}
         if expected.shapes != theirs:
             ours = expected.shapes
             diff = sorted(n for n in set(ours) | set(theirs) if ours.get(n) != theirs.get(n))
-            raise ValueError(f"{owner}: the checkpoint sparsifies other parameters or shapes "
-                             f"(differing: {diff[:3]}); resume with the same model and "
-                             "param_filter")
+            raise ValueError(
+                f"{owner}: the checkpoint sparsifies other parameters or shapes "
+                f"(differing: {diff[:3]}); resume with the same model and "
+                "param_filter"
+            )
     if "config" in state:
         mine, saved = expected.config, state["config"]
-        diff = {k: (saved.get(k), mine.get(k)) for k in set(mine) | set(saved)
-                if saved.get(k) != mine.get(k)}
+        diff = {
+            k: (saved.get(k), mine.get(k))
+            for k in set(mine) | set(saved)
+            if saved.get(k) != mine.get(k)
+        }
         if diff:
             key, (was, now) = sorted(diff.items())[0]
-            raise ValueError(f"{owner}: the checkpoint was made with {key}={was}, this object "
-                             f"has {key}={now} ({len(diff)} setting(s) differ); construct the "
-                             "algorithm with the checkpoint's settings to resume it")
+            raise ValueError(
+                f"{owner}: the checkpoint was made with {key}={was}, this object "
+                f"has {key}={now} ({len(diff)} setting(s) differ); construct the "
+                "algorithm with the checkpoint's settings to resume it"
+            )
     seed = state.get("seed", expected.seed)
     if expected.seed_given and seed is not None and seed != expected.seed:
-        raise ValueError(f"{owner}: the checkpoint was made with seed={seed}, this object has "
-                         f"seed={expected.seed}; pass seed={seed} (or seed=None) to resume it")
+        raise ValueError(
+            f"{owner}: the checkpoint was made with seed={seed}, this object has "
+            f"seed={expected.seed}; pass seed={seed} (or seed=None) to resume it"
+        )
     _check_ever_active(state, expected)
     saved_targets(state, list(expected.shapes), target, owner)
     saved_masks(state, owner)
     if loading and not expected.applied and state.get("masks"):
-        raise ValueError(f"{owner}: the sparsity state holds masks but the algorithm is not "
-                         "applied to a model; call apply(model) first, then load_state_dict")
+        raise ValueError(
+            f"{owner}: the sparsity state holds masks but the algorithm is not "
+            "applied to a model; call apply(model) first, then load_state_dict"
+        )
 
 
 def _int(state: Mapping[str, Any], key: str, default: int | None, owner: str) -> int:
     value = state.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-        raise ValueError(f"{owner}: sparsity state {key}={value!r} must be an int step; pass what "
-                         "state_dict() returned")
+        raise ValueError(
+            f"{owner}: sparsity state {key}={value!r} must be an int step; pass what "
+            "state_dict() returned"
+        )
     return value
 
 
 def _check_ever_active(state: Mapping[str, Any], expected: Expected) -> None:
     ever = state.get("ever_active", {})
     if not isinstance(ever, Mapping):
-        raise ValueError(f"{expected.owner}: sparsity state ever_active must be a dict of bool "
-                         "masks")
+        raise ValueError(
+            f"{expected.owner}: sparsity state ever_active must be a dict of bool masks"
+        )
     for name, mask in ever.items():
         shape = expected.ever_active.get(name)
         if shape is not None and (not torch.is_tensor(mask) or tuple(mask.shape) != shape):
             got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-            raise ValueError(f"{expected.owner}: ever_active[{name!r}] has shape {got}, "
-                             f"the parameter {shape}")
+            raise ValueError(
+                f"{expected.owner}: ever_active[{name!r}] has shape {got}, the parameter {shape}"
+            )
 
 
 def saved_masks(state: Mapping[str, Any], owner: str) -> dict[str, torch.Tensor]:
@@ -143,19 +166,25 @@ def saved_masks(state: Mapping[str, Any], owner: str) -> dict[str, torch.Tensor]
         return {}
     shapes = state.get("params")
     if not isinstance(masks, Mapping) or not isinstance(shapes, Mapping):
-        raise ValueError(f"{owner}: sparsity state 'masks' and 'params' must be dicts keyed by "
-                         "parameter name; pass what state_dict() returned")
+        raise ValueError(
+            f"{owner}: sparsity state 'masks' and 'params' must be dicts keyed by "
+            "parameter name; pass what state_dict() returned"
+        )
     if set(masks) != set(shapes):
         differ = sorted(set(masks) ^ set(shapes))
-        raise ValueError(f"{owner}: sparsity state has masks for other parameters than its "
-                         f"'params' (differing: {differ[:3]}); the checkpoint is corrupt")
+        raise ValueError(
+            f"{owner}: sparsity state has masks for other parameters than its "
+            f"'params' (differing: {differ[:3]}); the checkpoint is corrupt"
+        )
     out = {}
     for name, packed in masks.items():
         try:
             out[name] = unpack_bits(packed, shapes[name])
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{owner}: sparsity state masks[{name!r}]: {err}; the checkpoint "
-                             "is corrupt, resume from another one") from None
+            raise ValueError(
+                f"{owner}: sparsity state masks[{name!r}]: {err}; the checkpoint "
+                "is corrupt, resume from another one"
+            ) from None
     return out
 
 
@@ -173,5 +202,6 @@ def saved_targets(
     try:
         return {name: float(saved[name]) for name in names if name in saved}
     except (TypeError, ValueError) as err:
-        raise ValueError(f"{owner}: sparsity state mask_targets must map names to floats "
-                         f"({err})") from None
+        raise ValueError(
+            f"{owner}: sparsity state mask_targets must map names to floats ({err})"
+        ) from None

@@ -70,8 +70,10 @@ def _algorithm_states(obj: Any) -> Iterator[Mapping[str, Any]]:
     a callback or workflow state that holds one), depth first."""
     if not isinstance(obj, Mapping):
         return
-    if "step" in obj and isinstance(obj.get("masks"), Mapping) and isinstance(
-        obj.get("params"), Mapping
+    if (
+        "step" in obj
+        and isinstance(obj.get("masks"), Mapping)
+        and isinstance(obj.get("params"), Mapping)
     ):
         yield obj
     elif isinstance(obj.get("groups"), list):
@@ -258,8 +260,14 @@ def take_mask_entries(
             found[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
     claimed = {prefix + paths[k] for k in owned_masks(root) if k in paths}
     params = {prefix + n for n, _ in root.named_parameters()}
-    foreign = [k for k in state_dict if k.startswith(prefix) and k.endswith(_SUFFIX)
-               and k[: -len(_SUFFIX)] in params and k not in claimed]
+    foreign = [
+        k
+        for k in state_dict
+        if k.startswith(prefix)
+        and k.endswith(_SUFFIX)
+        and k[: -len(_SUFFIX)] in params
+        and k not in claimed
+    ]
     if foreign:
         raise ValueError(
             f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "

@@ -192,9 +192,7 @@ def to_dense(compact: CompactState) -> None:
         optimizer.state[weight] = state
 
 
-def rebuild(
-    compact: CompactState, csr: CSRWeight, grad: Tensor | None
-) -> CompactState | None:
+def rebuild(compact: CompactState, csr: CSRWeight, grad: Tensor | None) -> CompactState | None:
     """The layer's mask changed to ``csr``'s (a mask update): its values, gradient and
     optimizer state under the new structure, exactly as the cpu path prunes them. Kept weights
     keep their values and moments; grown ones start at zero with zero moments; the gradient is

@@ -259,9 +259,7 @@ def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
     return torch.repeat_interleave(torch.arange(num_rows, device=pointers.device), counts)
 
 
-def _indices(
-    mask: Tensor, compiled: bool | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """int32 `(crow, col, t_crow, t_col, t_perm)` of a bool mask, natively or in PyTorch."""
     if compiled is not False and mask.device.type == "cpu":
         # Deferred import: the native library is built on first use.

@@ -66,9 +66,7 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building the native kernels failed: {error}"
     _declare(lib)
-    set_tile_budgets(
-        int(TUNED["spmm_tile_bytes"].value), int(TUNED["sddmm_tile_bytes"].value), lib
-    )
+    set_tile_budgets(int(TUNED["spmm_tile_bytes"].value), int(TUNED["sddmm_tile_bytes"].value), lib)
     return lib, None
 
 

@@ -467,9 +467,7 @@ def test_killed_runs_resume_bit_identical_to_an_uninterrupted_run(tmp_path: Path
     ):
         assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert (
-        a["sparsity"]["RigL"]["last_update_step"]
-        == b["sparsity"]["RigL"]["last_update_step"]
-        == 33
+        a["sparsity"]["RigL"]["last_update_step"] == b["sparsity"]["RigL"]["last_update_step"] == 33
     )
     assert (
         a["loops"]["fit_loop"]["state_dict"] == b["loops"]["fit_loop"]["state_dict"]

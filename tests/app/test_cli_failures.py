@@ -385,8 +385,9 @@ def test_resuming_another_algorithms_run_is_one_line_before_anything_loads(
     capsys.readouterr()
     loaded = []
     monkeypatch.setattr(fit.SparseCLI, "instantiate_classes", _recording(loaded))
-    line = one_line_failure(["fit", *TINY, *CSV, "--trainer.max_steps", "4",
-                             "--ckpt_path", str(ckpt)], capsys)
+    line = one_line_failure(
+        ["fit", *TINY, *CSV, "--trainer.max_steps", "4", "--ckpt_path", str(ckpt)], capsys
+    )
     assert "sparsity state of Static but none of RigL" in line and str(ckpt) in line, line
     (module,) = loaded
     assert not any(name.endswith("_mask") for name, _ in module.named_buffers())  # not applied

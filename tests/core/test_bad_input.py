@@ -62,8 +62,15 @@ def make(name: str, sparsity: object, **kwargs: object) -> SparsityAlgorithm:
 
 @pytest.mark.parametrize(
     "value, error",
-    [(1.2, ValueError), (-0.1, ValueError), (1.0, ValueError), (float("nan"), ValueError),
-     ("0.5", TypeError), (True, TypeError), (None, TypeError)],
+    [
+        (1.2, ValueError),
+        (-0.1, ValueError),
+        (1.0, ValueError),
+        (float("nan"), ValueError),
+        ("0.5", TypeError),
+        (True, TypeError),
+        (None, TypeError),
+    ],
     ids=["1.2", "-0.1", "1.0", "nan", "str", "bool", "none"],
 )
 def test_static_rejects_bad_sparsity(value: object, error: type[Exception]) -> None:
@@ -103,8 +110,11 @@ def test_drop_fraction_outside_unit_interval_is_rejected(name: str, value: float
 
 @pytest.mark.parametrize("name", ALL_ALGORITHMS)
 def test_unknown_init_method_lists_valid_names(name: str) -> None:
-    sparsity = 0.5 if name not in ("gmp", "granet") else {"type": "cubic", "init": 0.0,
-                                                           "final": 0.5, "begin": 0, "end": 4}
+    sparsity = (
+        0.5
+        if name not in ("gmp", "granet")
+        else {"type": "cubic", "init": 0.0, "final": 0.5, "begin": 0, "end": 4}
+    )
     with pytest.raises(ValueError) as info:
         make(name, sparsity, init_method="randm")
     message = str(info.value)
@@ -153,8 +163,9 @@ def test_bad_seed_and_filter_types() -> None:
 def test_rigl_rejects_both_balance_options() -> None:
     """Cerebras' balance_* shorthands live at the config boundary (they become ``shaper``)."""
     with pytest.raises(ValueError) as info:
-        configure({"algorithm": "rigl", "sparsity": 0.5, "balance_in_groups": 2,
-                   "balance_out_groups": 4})
+        configure(
+            {"algorithm": "rigl", "sparsity": 0.5, "balance_in_groups": 2, "balance_out_groups": 4}
+        )
     message = str(info.value)
     assert "balance_in_groups=2" in message and "balance_out_groups=4" in message
     assert "mutually exclusive" in message

@@ -65,15 +65,28 @@ def test_regex_filter_names_the_pattern_the_error_and_the_fix(pattern: str, why:
 @pytest.mark.parametrize(
     ("config", "key"),
     [
-        (lambda p: {"type": "rigl", "sparsity": 0.5, "param_name_patterns": p},
-         "param_name_patterns"),
-        (lambda p: {"type": "set", "sparsity": 0.5, "param_name_patterns": ["fc2", p]},
-         "param_name_patterns"),
-        (lambda p: {"type": "gmp", "param_name_patterns": {p: {"sparsity_schedule": [[0, 0.5]]}}},
-         "param_name_patterns["),
-        (lambda p: [{"sparsity": 0.3, "param_filter": "x*"},
-                    {"type": "static", "sparsity": 0.5, "param_name_patterns": p}],
-         "[1].param_name_patterns"),
+        (
+            lambda p: {"type": "rigl", "sparsity": 0.5, "param_name_patterns": p},
+            "param_name_patterns",
+        ),
+        (
+            lambda p: {"type": "set", "sparsity": 0.5, "param_name_patterns": ["fc2", p]},
+            "param_name_patterns",
+        ),
+        (
+            lambda p: {
+                "type": "gmp",
+                "param_name_patterns": {p: {"sparsity_schedule": [[0, 0.5]]}},
+            },
+            "param_name_patterns[",
+        ),
+        (
+            lambda p: [
+                {"sparsity": 0.3, "param_filter": "x*"},
+                {"type": "static", "sparsity": 0.5, "param_name_patterns": p},
+            ],
+            "[1].param_name_patterns",
+        ),
     ],
     ids=["string", "list", "per-pattern-dict", "second-entry"],
 )
@@ -150,8 +163,13 @@ def test_directory_is_named_as_such(tmp_path: Path) -> None:
 
 # ---------------------------------------------------------------- 3. a file holding a bare word
 
-CONFIG_FORMS = ("a float", "'algorithm' and 'sparsity'", "a list", "'sparsity:'",
-                "trainer.init.sparsity")
+CONFIG_FORMS = (
+    "a float",
+    "'algorithm' and 'sparsity'",
+    "a list",
+    "'sparsity:'",
+    "trainer.init.sparsity",
+)
 
 
 @pytest.mark.parametrize("load", [configure, load_sparsity_block])
@@ -166,8 +184,11 @@ def test_file_holding_a_bare_word(tmp_path: Path, load: object) -> None:
 
 @pytest.mark.parametrize(
     ("block", "shown", "hint"),
-    [("magic", "'magic'", "not a sparsity config"), ("0.8", "'0.8'", "0.8 unquoted"),
-     (True, "True", "not a sparsity config")],
+    [
+        ("magic", "'magic'", "not a sparsity config"),
+        ("0.8", "'0.8'", "0.8 unquoted"),
+        (True, "True", "not a sparsity config"),
+    ],
 )
 @pytest.mark.parametrize("layout", ["2.1", "2.10"])
 def test_params_file_whose_sparsity_is_not_a_config(
@@ -190,28 +211,68 @@ TYPE_ERRORS = [
     # (config, key path under the root, the bad value as shown, words of the expected form)
     ({"groups": 5}, "groups", "groups=5", "list of mappings"),
     ({"groups": "rigl"}, "groups", "groups='rigl'", "list of mappings"),
-    ({"groups": [{"algorithm": "set", "params": {"sparsity": 0.5}}, "fc1"]}, "groups[1]",
-     "'fc1'", "mapping with 'algorithm' and 'params'"),
-    ({"groups": [{"algorithm": "set", "params": 3}]}, "groups[0].params", "params=3",
-     "mapping of the algorithm's options"),
+    (
+        {"groups": [{"algorithm": "set", "params": {"sparsity": 0.5}}, "fc1"]},
+        "groups[1]",
+        "'fc1'",
+        "mapping with 'algorithm' and 'params'",
+    ),
+    (
+        {"groups": [{"algorithm": "set", "params": 3}]},
+        "groups[0].params",
+        "params=3",
+        "mapping of the algorithm's options",
+    ),
     ({"algorithm": "set", "params": [0.5]}, "params", "params=[0.5]", "mapping"),
-    ({"sparsity": 0.5, "param_name_patterns": 5}, "param_name_patterns",
-     "param_name_patterns=5", "a regex, a list of regexes"),
-    ({"type": "set", "sparsity": 0.5, "param_name_patterns": {"fc1": 0.9}},
-     "param_name_patterns['fc1']", "got 0.9", "mapping of overrides"),
+    (
+        {"sparsity": 0.5, "param_name_patterns": 5},
+        "param_name_patterns",
+        "param_name_patterns=5",
+        "a regex, a list of regexes",
+    ),
+    (
+        {"type": "set", "sparsity": 0.5, "param_name_patterns": {"fc1": 0.9}},
+        "param_name_patterns['fc1']",
+        "got 0.9",
+        "mapping of overrides",
+    ),
     ({"sparsity": 0.5, "param_filter": 3}, "param_filter", "param_filter=3", "glob string"),
-    ({"groups": [{"algorithm": "set", "params": {"sparsity": 0.5, "update": "often"}}]},
-     "groups[0].update", "'often'", "{'freq': n"),
-    ({"algorithm": "rigl", "sparsity": 0.5, "update": {"freq": "daily"}}, "update", "'daily'",
-     "whole number of steps"),
-    ({"type": "set", "sparsity": 0.5, "schedule": "often"}, "schedule", "'often'",
-     "an int n (every n steps)"),
-    ({"algorithm": "set", "sparsity": 0.5, "update": {"freq": 5}, "drop_fraction": "high"},
-     "drop_fraction", "'high'", "a number"),
-    ({"algorithm": "set", "sparsity": 0.5, "balance_out_groups": "x"}, "balance_out_groups",
-     "'x'", "positive int"),
-    ({"type": "gmp", "sparsity_schedule": 0.5}, "sparsity_schedule", "0.5",
-     "[step, sparsity] pairs"),
+    (
+        {"groups": [{"algorithm": "set", "params": {"sparsity": 0.5, "update": "often"}}]},
+        "groups[0].update",
+        "'often'",
+        "{'freq': n",
+    ),
+    (
+        {"algorithm": "rigl", "sparsity": 0.5, "update": {"freq": "daily"}},
+        "update",
+        "'daily'",
+        "whole number of steps",
+    ),
+    (
+        {"type": "set", "sparsity": 0.5, "schedule": "often"},
+        "schedule",
+        "'often'",
+        "an int n (every n steps)",
+    ),
+    (
+        {"algorithm": "set", "sparsity": 0.5, "update": {"freq": 5}, "drop_fraction": "high"},
+        "drop_fraction",
+        "'high'",
+        "a number",
+    ),
+    (
+        {"algorithm": "set", "sparsity": 0.5, "balance_out_groups": "x"},
+        "balance_out_groups",
+        "'x'",
+        "positive int",
+    ),
+    (
+        {"type": "gmp", "sparsity_schedule": 0.5},
+        "sparsity_schedule",
+        "0.5",
+        "[step, sparsity] pairs",
+    ),
     ({"algorithm": "magic", "sparsity": 0.5}, "algorithm", "'magic'", "valid algorithms"),
 ]
 
@@ -248,13 +309,16 @@ def test_wrong_type_in_a_file_names_the_file_too(
 
 def test_key_path_inside_a_modelzoo_params_file(tmp_path: Path) -> None:
     """The example of the issue, word for word."""
-    path = write(tmp_path, (
-        "model: {d_model: 8}\n"
-        "sparsity:\n"
-        "  groups:\n"
-        "    - algorithm: set\n"
-        "      params: {sparsity: 0.5, update: often}\n"
-    ))
+    path = write(
+        tmp_path,
+        (
+            "model: {d_model: 8}\n"
+            "sparsity:\n"
+            "  groups:\n"
+            "    - algorithm: set\n"
+            "      params: {sparsity: 0.5, update: often}\n"
+        ),
+    )
     message = message_of(path)
     assert message.startswith(f"in {str(path)!r}, at sparsity.groups[0].update: "), message
     assert_names(message, "'often'", "every n steps")

@@ -318,10 +318,18 @@ PER_PATTERN_20 = {
 }
 # Its 2.2+ equivalent (reference section 5.2): a list of configs with globs.
 PER_PATTERN_22 = [
-    {"algorithm": "gmp", "param_filter": "fc_layers*weight", "schedule": [0.1, 0.3, 0.5],
-     "update": {"steps": [0, 6, 8]}},
-    {"algorithm": "gmp", "param_filter": "final_layer*weight", "schedule": [0.2, 0.5, 0.7],
-     "update": {"steps": [0, 6, 8]}},
+    {
+        "algorithm": "gmp",
+        "param_filter": "fc_layers*weight",
+        "schedule": [0.1, 0.3, 0.5],
+        "update": {"steps": [0, 6, 8]},
+    },
+    {
+        "algorithm": "gmp",
+        "param_filter": "final_layer*weight",
+        "schedule": [0.2, 0.5, 0.7],
+        "update": {"steps": [0, 6, 8]},
+    },
 ]
 
 
@@ -368,10 +376,15 @@ def test_20_per_pattern_dict_equals_its_22_list_form() -> None:
 
 
 def test_20_per_pattern_options_override_shared_ones() -> None:
-    sparsity = configure({
-        "type": "set", "sparsity": 0.5, "schedule": 10, "drop_fraction": 0.1,
-        "param_name_patterns": {"fc_layers": None, "final_layer": {"sparsity": 0.8}},
-    })
+    sparsity = configure(
+        {
+            "type": "set",
+            "sparsity": 0.5,
+            "schedule": 10,
+            "drop_fraction": 0.1,
+            "param_name_patterns": {"fc_layers": None, "final_layer": {"sparsity": 0.8}},
+        }
+    )
     assert [a.sparsity(0) for a in sparsity] == [0.5, 0.8]
     assert [a.drop_fraction(0) for a in sparsity] == [0.1, 0.1]
     assert [a.update_schedule.freq for a in sparsity] == [10, 10]
@@ -396,14 +409,24 @@ def test_legacy_int_schedule_is_update_frequency(config: dict) -> None:
     assert (algorithm.update_schedule.freq, algorithm.update_schedule.start) == (100, 0)
     assert algorithm.update_schedule.stop is None
     assert [algorithm.is_update_step(t) for t in (50, 100, 150, 200, 10_000)] == [
-        False, True, False, True, True
+        False,
+        True,
+        False,
+        True,
+        True,
     ]
 
 
 @pytest.mark.parametrize(
     "config",
-    [None, {"sparsity": None}, {"algorithm": "rigl", "sparsity": None, "update": {"freq": 5}},
-     {"type": "set", "sparsity": None}, [{"sparsity": None}], []],
+    [
+        None,
+        {"sparsity": None},
+        {"algorithm": "rigl", "sparsity": None, "update": {"freq": 5}},
+        {"type": "set", "sparsity": None},
+        [{"sparsity": None}],
+        [],
+    ],
 )
 def test_null_sparsity_is_dense(config: object) -> None:
     assert configure(config) is None
@@ -431,8 +454,11 @@ def test_null_entry_in_a_list_is_dropped() -> None:
         {"sparsity": 0.5, "schedule": 0.5},
         {"algorithm": "gmp", "sparsity": [0.1, 0.2], "schedule": [0.1, 0.2]},
         {"algorithm": "gmp", "sparsity": [0.1, 0.2], "schedule": 100, "update": {"freq": 10}},
-        {"algorithm": "set", "sparsity": 0.5,
-         "schedule": {"type": "linear", "init": 0.1, "slope": 0}},
+        {
+            "algorithm": "set",
+            "sparsity": 0.5,
+            "schedule": {"type": "linear", "init": 0.1, "slope": 0},
+        },
     ],
 )
 def test_sparsity_and_schedule_aliases_conflict(config: dict) -> None:
@@ -461,12 +487,18 @@ def test_sparsity_schedule_is_not_silently_overridden_by_schedule() -> None:
 
 def test_list_first_match_wins() -> None:
     model = TinyNet()
-    sparsity = configure([
-        {"sparsity": 0.25, "param_filter": "fc1.weight"},
-        {"algorithm": "set", "sparsity": 0.75, "param_filter": ["fc*.weight", "lm_head.weight"],
-         "update": {"freq": 10}},
-        {"sparsity": 0.5},  # default filter: fc1/fc2 are taken already, the rest stays dense
-    ])
+    sparsity = configure(
+        [
+            {"sparsity": 0.25, "param_filter": "fc1.weight"},
+            {
+                "algorithm": "set",
+                "sparsity": 0.75,
+                "param_filter": ["fc*.weight", "lm_head.weight"],
+                "update": {"freq": 10},
+            },
+            {"sparsity": 0.5},  # default filter: fc1/fc2 are taken already, the rest stays dense
+        ]
+    )
     assert [type(a) for a in sparsity] == [Static, SET, Static]
     model.apply(sparsity)
     assert list(sparsity[0].sparse_params) == ["fc1.weight"]
@@ -560,8 +592,11 @@ def test_unknown_algorithm_lists_valid_ones() -> None:
         ({"type": "sideband", "sparsity": 0.5}, ValueError, "sideband"),
         ({"algorithm": "gmp", "sparsity": 0.5}, ValueError, "constant"),
         ({"algorithm": "static", "type": "rigl", "sparsity": 0.5}, ValueError, "keep only"),
-        ({"sparsity": 0.5, "param_filter": "*", "param_name_patterns": ".*"}, ValueError,
-         "not both"),
+        (
+            {"sparsity": 0.5, "param_filter": "*", "param_name_patterns": ".*"},
+            ValueError,
+            "not both",
+        ),
         ({"sparsity": 0.5, "param_filter": 3}, TypeError, "param_filter"),
         ({"algorithm": "set", "sparsity": 0.5, "update": {"every": 3}}, ValueError, "every"),
         ({"type": "gmp", "sparsity_schedule": [0.1, 0.3]}, ValueError, "sparsity_schedule"),
@@ -602,8 +637,11 @@ def test_yaml_bare_sparsity_block(tmp_path: Path) -> None:
     ("text", "types"),
     [
         ("0.7\n", [Static]),
-        ("- {algorithm: static, sparsity: 0.3, param_filter: 'fc1.*'}\n"
-         "- {algorithm: rigl, sparsity: 0.8, update: {freq: 10}}\n", [Static, RigL]),
+        (
+            "- {algorithm: static, sparsity: 0.3, param_filter: 'fc1.*'}\n"
+            "- {algorithm: rigl, sparsity: 0.8, update: {freq: 10}}\n",
+            [Static, RigL],
+        ),
         ("trainer:\n  init:\n    sparsity: {algorithm: gmp, sparsity: [0.1, 0.2]}\n", [GMP]),
         ("model: {}\nsparsity: {type: set, sparsity: 0.5, schedule: 20}\n", [SET]),
     ],
@@ -634,10 +672,14 @@ def test_yaml_with_only_a_legacy_sparsity_section(tmp_path: Path) -> None:
 
 def test_modelzoo_groups_params_nesting_list() -> None:
     """``flatten_sparsity_params``: ``{"groups": [{"algorithm", "params": {...}}, ...]}``."""
-    sparsity = configure({"groups": [
-        {"algorithm": "static", "params": {"sparsity": 0.3, "param_filter": "fc1.weight"}},
-        {"algorithm": "set", "params": {"sparsity": 0.7, "update": {"freq": 5}}},
-    ]})
+    sparsity = configure(
+        {
+            "groups": [
+                {"algorithm": "static", "params": {"sparsity": 0.3, "param_filter": "fc1.weight"}},
+                {"algorithm": "set", "params": {"sparsity": 0.7, "update": {"freq": 5}}},
+            ]
+        }
+    )
     assert [type(a) for a in sparsity] == [Static, SET]
     assert sparsity[1].update_schedule.freq == 5
     model = TinyNet()
@@ -672,11 +714,15 @@ def test_float_config_masks_keep_exact_count(level: float, seed: int) -> None:
 @pytest.mark.parametrize("init_method", ["random", "topk"])
 def test_every_algorithm_starts_at_configured_sparsity(algorithm: str, init_method: str) -> None:
     model = gpt()
-    sparsity = configure({
-        "algorithm": algorithm, "sparsity": 0.8, "init_method": init_method,
-        "param_filter": ["*proj_[qkv]_dense_layer.weight", "*linear_layer.weight"],
-        **({} if algorithm == "static" else {"update": {"freq": 10}}),
-    })
+    sparsity = configure(
+        {
+            "algorithm": algorithm,
+            "sparsity": 0.8,
+            "init_method": init_method,
+            "param_filter": ["*proj_[qkv]_dense_layer.weight", "*linear_layer.weight"],
+            **({} if algorithm == "static" else {"update": {"freq": 10}}),
+        }
+    )
     model.apply(sparsity)
     assert len(sparsity.sparse_params) == N_LAYERS * 5
     assert_masks(sparsity, 0.8)

@@ -13,8 +13,16 @@ from lightning_sparse.core.flops import FlopReport, model_flops, transformer_flo
 TINY = dict(n_layers=2, d_model=8, n_heads=2, seq_len=4, vocab_size=10, ffn_hidden=32)
 
 
-def toy_transformer(n_layers: int, d: int, vocab: int, ffw: int, ffn_kind: str = "gelu", *,
-                    tie: bool = False, n_positions: int = 0) -> nn.Module:
+def toy_transformer(
+    n_layers: int,
+    d: int,
+    vocab: int,
+    ffw: int,
+    ffn_kind: str = "gelu",
+    *,
+    tie: bool = False,
+    n_positions: int = 0,
+) -> nn.Module:
     """Only the weight-bearing layers of a decoder: Q, K, V, O, the FFN matrices, embeddings, head.
 
     Built under the caller's default device, so ``with torch.device("meta")`` allocates nothing.
@@ -90,14 +98,21 @@ def test_tiny_sparse_config_by_hand():
 
 
 def test_swiglu_switches_and_tied_head_by_hand():
-    r = transformer_flops(**TINY, ffn_kind="swiglu", include_embeddings=False,
-                          include_logits=False, tie_embeddings=True, n_positions=4)
+    r = transformer_flops(
+        **TINY,
+        ffn_kind="swiglu",
+        include_embeddings=False,
+        include_logits=False,
+        tie_embeddings=True,
+        n_positions=4,
+    )
     # Per token per layer: qkv 384 + out 128 + three 8x32 matrices 3*512 + attention 152.
     assert r.forward_flops_per_token == 2 * (384 + 128 + 1536 + 152) == 4400
     # Params: 2 * (4*64 + 3*256) + embedding 80 (head tied) + position table 4*8.
     assert r.params == 2048 + 80 + 32 == 2160
-    with_embeddings = transformer_flops(**TINY, ffn_kind="swiglu", include_logits=False,
-                                        tie_embeddings=True, n_positions=4)
+    with_embeddings = transformer_flops(
+        **TINY, ffn_kind="swiglu", include_logits=False, tie_embeddings=True, n_positions=4
+    )
     assert with_embeddings.forward_flops_per_token == 4400 + 2 * (10 + 4) * 8
 
 
@@ -174,11 +189,29 @@ def test_model_flops_equals_transformer_flops(kind, tie, switches):
         kinds["head"] = 0.5
         add_mask(model.lm_head, kinds["head"])
 
-    walked = model_flops(model, seq, n_layers=n_layers, d_model=d, n_heads=heads,
-                         include_embeddings=include_embeddings, include_logits=include_logits)
-    expected = transformer_flops(n_layers, d, heads, seq, vocab, ffw, kind, kinds,
-                                 include_embeddings, include_logits, tie_embeddings=tie,
-                                 n_positions=seq)
+    walked = model_flops(
+        model,
+        seq,
+        n_layers=n_layers,
+        d_model=d,
+        n_heads=heads,
+        include_embeddings=include_embeddings,
+        include_logits=include_logits,
+    )
+    expected = transformer_flops(
+        n_layers,
+        d,
+        heads,
+        seq,
+        vocab,
+        ffw,
+        kind,
+        kinds,
+        include_embeddings,
+        include_logits,
+        tie_embeddings=tie,
+        n_positions=seq,
+    )
     assert walked == expected
     assert walked.nonzero_params < walked.params
 
@@ -206,8 +239,9 @@ def test_model_flops_attention_terms_need_all_three():
 
 
 # ------------------------------------------------------------------------ seed 004
-GPT3_XL = dict(n_layers=24, d_model=2048, n_heads=16, seq_len=2048, ffn_hidden=8192,
-               ffn_kind="gelu")
+GPT3_XL = dict(
+    n_layers=24, d_model=2048, n_heads=16, seq_len=2048, ffn_hidden=8192, ffn_kind="gelu"
+)
 
 
 @pytest.mark.parametrize("vocab", [50257, 50267])  # the post writes 50,267; GPT-2's BPE has 50,257
@@ -219,9 +253,19 @@ def test_seed_004_gpt3_xl_figures(vocab):
     FLOPs "excluding embedding FLOPs" but with the (dense) final logits; parameters counting the
     embedding and position tables once. Biases and norms (~0.6M) would not change either figure.
     """
+
     def reduction(**changes):
-        config = dict(vocab_size=vocab, sparsity=0.838, include_embeddings=False,
-                      include_logits=True, tie_embeddings=True, n_positions=2048) | changes
+        config = (
+            dict(
+                vocab_size=vocab,
+                sparsity=0.838,
+                include_embeddings=False,
+                include_logits=True,
+                tie_embeddings=True,
+                n_positions=2048,
+            )
+            | changes
+        )
         return transformer_flops(**GPT3_XL, **config)
 
     r = reduction()
@@ -247,10 +291,23 @@ def test_meta_device_gpt3_xl_costs_no_memory():
     with pytest.raises(ValueError, match=r"'layers.0.q.weight' is on the meta device.*sparsity="):
         model_flops(model, 2048)
     sparsity = {name: 0.838 for name, _ in model.named_parameters() if name.startswith("layers.")}
-    r = model_flops(model, 2048, n_layers=24, d_model=2048, n_heads=16, sparsity=sparsity,
-                    include_embeddings=False)
-    assert r == transformer_flops(**GPT3_XL, vocab_size=50257, sparsity=0.838,
-                                  include_embeddings=False, tie_embeddings=True, n_positions=2048)
+    r = model_flops(
+        model,
+        2048,
+        n_layers=24,
+        d_model=2048,
+        n_heads=16,
+        sparsity=sparsity,
+        include_embeddings=False,
+    )
+    assert r == transformer_flops(
+        **GPT3_XL,
+        vocab_size=50257,
+        sparsity=0.838,
+        include_embeddings=False,
+        tie_embeddings=True,
+        n_positions=2048,
+    )
     # 1.3B float32 weights would be 5 GB; ru_maxrss is in KiB on Linux.
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before < 500 * 1024
 
@@ -300,8 +357,9 @@ def test_conv2d_flops_per_output_position_and_measured() -> None:
     from lightning_sparse.core.flops import conv_output_positions
 
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.Flatten(),
-                        nn.Linear(256, 10, bias=False))
+    net = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1, bias=False), nn.Flatten(), nn.Linear(256, 10, bias=False)
+    )
     per_position = model_flops(net, 1)
     assert per_position.dense_forward_flops_per_token == 2 * 108 + 2 * 2560
     positions = conv_output_positions(net, torch.zeros(1, 3, 8, 8))

@@ -16,12 +16,22 @@ from lightning_sparse.core.shapers import NM, InputGroups, OutputGroups  # noqa:
 
 IDS = dict(bos_token_id=0, eos_token_id=0)  # GPT-2's defaults (50256) exceed the tiny vocab
 BERT = dict(
-    vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-    intermediate_size=32, max_position_embeddings=32,
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=32,
 )
 LLAMA = dict(
-    vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-    num_key_value_heads=2, intermediate_size=32, max_position_embeddings=32, pad_token_id=0,
+    vocab_size=64,
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    intermediate_size=32,
+    max_position_embeddings=32,
+    pad_token_id=0,
 )
 
 
@@ -110,9 +120,7 @@ def test_gpt2_flops_count_conv1d_like_linear() -> None:
 
 @pytest.mark.parametrize("n_layers", [1])
 def test_conv1d_nm_keeps_two_of_four_consecutive_inputs(n_layers: int) -> None:
-    config = transformers.GPT2Config(
-        n_layer=n_layers, n_embd=32, n_head=2, vocab_size=128, **IDS
-    )
+    config = transformers.GPT2Config(n_layer=n_layers, n_embd=32, n_head=2, vocab_size=128, **IDS)
     model = transformers.GPT2LMHeadModel(config)
     algorithm = Static(sparsity=0.5, shaper=NM(2, 4))
     model.apply(algorithm)

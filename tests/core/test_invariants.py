@@ -331,11 +331,15 @@ def test_calling_the_sparsity_directly_or_in_a_nested_walk_acts_once_on_its_mode
     called, applied = make_static(), make_static()
     called(direct)
     applied.apply(reference)
-    assert list(called.sparse_params) == list(applied.sparse_params) == [
-        "0.0.weight",
-        "0.2.weight",
-        "2.weight",
-    ]
+    assert (
+        list(called.sparse_params)
+        == list(applied.sparse_params)
+        == [
+            "0.0.weight",
+            "0.2.weight",
+            "2.weight",
+        ]
+    )
     assert called.root is direct
     outer = nested_model(1)
     inner = make_static()

@@ -30,8 +30,12 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets)
 
 
-def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: list[torch.Tensor],
-          scheduler: LRScheduler | None = None) -> None:
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[torch.Tensor],
+    scheduler: LRScheduler | None = None,
+) -> None:
     for tokens in data:
         optimizer.zero_grad()
         loss_of(model, tokens).backward()
@@ -231,8 +235,14 @@ def test_resumed_run_equals_uninterrupted_run() -> None:
     model_b, wrapper_b, sched_b = setup()
     train(model_b, wrapper_b, data[:3], sched_b)
     buffer = io.BytesIO()
-    torch.save({"model": model_b.state_dict(), "optimizer": wrapper_b.state_dict(),
-                "scheduler": sched_b.state_dict()}, buffer)
+    torch.save(
+        {
+            "model": model_b.state_dict(),
+            "optimizer": wrapper_b.state_dict(),
+            "scheduler": sched_b.state_dict(),
+        },
+        buffer,
+    )
     buffer.seek(0)
     checkpoint = torch.load(buffer, weights_only=False)
     model_c, wrapper_c, sched_c = setup()
@@ -277,14 +287,21 @@ def test_20_param_name_patterns_and_filter() -> None:
     torch.manual_seed(0)
     model = TinyNet()
     by_list = configure_sparsity_wrapper(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "static", sparsity=0.5,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "static",
+        sparsity=0.5,
         param_name_patterns=["fc2.weight", "lm_head"],
     )
     assert list(by_list.sparsity.sparse_params) == ["fc2.weight", "lm_head.weight"]
 
     model = TinyNet()
     by_dict = configure_sparsity_wrapper(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "set", sparsity=0.5, schedule=10,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "set",
+        sparsity=0.5,
+        schedule=10,
         param_name_patterns={"fc1.weight": {"sparsity": 0.25}, r"fc\d.weight": None},
     )
     assert [type(a) for a in by_dict.sparsity] == [SET, SET]
@@ -292,26 +309,44 @@ def test_20_param_name_patterns_and_filter() -> None:
 
     model = TinyNet()
     by_filter = configure_sparsity_wrapper(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "static", sparsity=0.5,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "static",
+        sparsity=0.5,
         sparse_param_filter=lambda name, p: name.startswith("lm_head"),
     )
     assert list(by_filter.sparsity.sparse_params) == ["lm_head.weight"]
 
     model = TinyNet()
     patterns_win = configure_sparsity_wrapper(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), "static", sparsity=0.5,
-        param_name_patterns="fc1.weight", sparse_param_filter=lambda name, p: True,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        "static",
+        sparsity=0.5,
+        param_name_patterns="fc1.weight",
+        sparse_param_filter=lambda name, p: True,
     )
     assert list(patterns_win.sparsity.sparse_params) == ["fc1.weight"]
 
 
 def test_20_kwargs_build_the_same_algorithm_as_configure() -> None:
     _, _, wrapper = wrapped("set", drop_fraction=0.1, init_method="topk", seed=3)
-    reference = configure({"algorithm": "set", "sparsity": 0.75, "update": 2,
-                           "drop_fraction": 0.1, "init_method": "topk", "seed": 3})
+    reference = configure(
+        {
+            "algorithm": "set",
+            "sparsity": 0.75,
+            "update": 2,
+            "drop_fraction": 0.1,
+            "init_method": "topk",
+            "seed": 3,
+        }
+    )
     ours, theirs = wrapper.sparsity[0], reference[0]
     assert (repr(ours.update_schedule), repr(ours.drop_fraction), ours.init_method, ours.seed) == (
-        repr(theirs.update_schedule), repr(theirs.drop_fraction), theirs.init_method, theirs.seed
+        repr(theirs.update_schedule),
+        repr(theirs.drop_fraction),
+        theirs.init_method,
+        theirs.seed,
     )
 
 
@@ -324,8 +359,11 @@ def test_20_kwargs_build_the_same_algorithm_as_configure() -> None:
         ({"sparsity_type": "static", "sparsity": None}, ValueError, "dense"),
         ({"sparsity_type": "set", "sparsity": 0.5, "schedule": 2, "update": 2}, ValueError, "once"),
         ({"sparsity_type": "magic", "sparsity": 0.5}, ValueError, "unknown sparsity algorithm"),
-        ({"sparsity_type": "set", "sparsity": 0.5, "drop_fractoin": 0.3}, ValueError,
-         "drop_fractoin"),
+        (
+            {"sparsity_type": "set", "sparsity": 0.5, "drop_fractoin": 0.3},
+            ValueError,
+            "drop_fractoin",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:

@@ -133,11 +133,16 @@ def test_cycling_counts_the_update_steps_before_the_step_and_wraps() -> None:
     assert [not_zero(t) for t in (0, 2, 3, 5)] == [0.1, 0.1, 0.3, 0.5]
 
 
-@given(freq=st.integers(1, 5), start=st.integers(0, 6), n_values=st.integers(1, 5),
-       step=st.integers(0, 60))
+@given(
+    freq=st.integers(1, 5),
+    start=st.integers(0, 6),
+    n_values=st.integers(1, 5),
+    step=st.integers(0, 60),
+)
 @settings(max_examples=60, deadline=None)
-def test_cycling_is_a_pure_function_of_the_step(freq: int, start: int, n_values: int,
-                                                step: int) -> None:
+def test_cycling_is_a_pure_function_of_the_step(
+    freq: int, start: int, n_values: int, step: int
+) -> None:
     """Same value whatever was evaluated before (a resumed run needs no schedule state); equal
     to a walk that counts the update steps one by one."""
     cadence = FreqSchedule(freq, start=start)

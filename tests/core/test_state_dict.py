@@ -72,8 +72,14 @@ def trained() -> dict[str, object]:
     saved = torch.load(buffer, weights_only=True)  # what a user's file holds
     masks = {n: sp.mask.clone() for n, sp in sparsity.sparse_params.items()}
     state = {k: v.clone() for k, v in net.state_dict().items()}
-    return {"net": net, "saved": saved, "masks": masks, "state": state, "logits": logits,
-            "old": old_layout(state, masks)}
+    return {
+        "net": net,
+        "saved": saved,
+        "masks": masks,
+        "state": state,
+        "logits": logits,
+        "old": old_layout(state, masks),
+    }
 
 
 def test_the_model_state_dict_holds_no_masks_and_the_algorithm_state_packs_them(trained) -> None:
@@ -243,8 +249,9 @@ def test_load_into_a_sparse_model_then_a_step_keeps_the_loaded_masks(
     if layout == "old":
         net.load_state_dict(trained["old"])
     else:
-        state = dict(saved["sparsity"], config=sparsity.config(), algorithm=type(sparsity)
-                     .__name__.lower())  # the masks of another configuration's run
+        state = dict(
+            saved["sparsity"], config=sparsity.config(), algorithm=type(sparsity).__name__.lower()
+        )  # the masks of another configuration's run
         if layout == "model-then-sparsity":
             net.load_state_dict(saved["model"])
             sparsity.load_state_dict(state)

@@ -31,8 +31,6 @@ INF = float("inf")
 AMP_DTYPES = [torch.bfloat16, torch.float16]
 
 
-
-
 def mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
@@ -261,16 +259,23 @@ def fit(
 ) -> pl.Trainer:
     module.sparsity = sparsity
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, callbacks=[sparsity], logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        callbacks=[sparsity],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         **kwargs,
     )
     trainer.fit(module, loader())
     return trainer
 
 
-def assert_module_sparse(module: TinyModule, sparsity: SparsityAlgorithm, target: float,
-                         optimizer: torch.optim.Optimizer) -> None:
+def assert_module_sparse(
+    module: TinyModule, sparsity: SparsityAlgorithm, target: float, optimizer: torch.optim.Optimizer
+) -> None:
     assert set(sparsity.sparse_params) == {"net.0.weight", "net.2.weight"}
     for name, sp in sparsity.sparse_params.items():
         assert sp.mask.dtype == torch.bool
@@ -300,8 +305,13 @@ def test_lightning_bf16_mixed_rigl_keeps_exact_sparsity() -> None:
 def test_lightning_16_mixed_on_cpu_falls_back_to_bf16() -> None:
     """Lightning 2.6 has no fp16 AMP on CPU: it warns and uses bf16-mixed (no scaler)."""
     with pytest.warns(UserWarning, match="not supported on CPU"):
-        trainer = pl.Trainer(accelerator="cpu", precision="16-mixed", logger=False,
-                             enable_checkpointing=False, enable_progress_bar=False)
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            precision="16-mixed",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+        )
     assert trainer.precision_plugin.precision == "bf16-mixed"
     assert getattr(trainer.precision_plugin, "scaler", None) is None
 

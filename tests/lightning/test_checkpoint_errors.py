@@ -74,8 +74,15 @@ def test_torch_enforce_fail_on_a_full_disk(monkeypatch: pytest.MonkeyPatch, targ
     error = save_failing(target)
     assert error.errno == errno.ENOSPC
     assert isinstance(error.__cause__, RuntimeError)
-    assert_names(str(error), repr(str(target)), "no space left on device", "0.0 MiB free",
-                 "free space", "dirpath", "previous checkpoint there is unchanged")
+    assert_names(
+        str(error),
+        repr(str(target)),
+        "no space left on device",
+        "0.0 MiB free",
+        "free space",
+        "dirpath",
+        "previous checkpoint there is unchanged",
+    )
     assert_old_checkpoint_intact(target)
 
 
@@ -85,14 +92,19 @@ def test_torch_enforce_fail_with_space_left_still_points_at_the_disk(
     """The partial file is deleted before the user looks: say what the message usually means."""
     monkeypatch.setattr(torch, "save", torch_save_raising(RuntimeError(TORCH_FULL_DISK)))
     error = save_failing(target)
-    assert_names(str(error), repr(str(target)), "unexpected pos 123 vs 45",
-                 "no space left on device", "dirpath")
+    assert_names(
+        str(error),
+        repr(str(target)),
+        "unexpected pos 123 vs 45",
+        "no space left on device",
+        "dirpath",
+    )
     assert_old_checkpoint_intact(target)
 
 
 @pytest.mark.parametrize(
-    ("code", "cause"), [(errno.ENOSPC, "no space left on device"),
-                        (getattr(errno, "EDQUOT", errno.ENOSPC), "quota")],
+    ("code", "cause"),
+    [(errno.ENOSPC, "no space left on device"), (getattr(errno, "EDQUOT", errno.ENOSPC), "quota")],
 )
 def test_oserror_enospc_keeps_its_errno(
     monkeypatch: pytest.MonkeyPatch, target: Path, code: int, cause: str
@@ -132,14 +144,18 @@ def test_directory_not_writable(monkeypatch: pytest.MonkeyPatch, target: Path) -
     monkeypatch.setattr(tempfile, "mkstemp", denied)
     error = save_failing(target)
     assert isinstance(error, PermissionError) and error.errno == errno.EACCES
-    assert_names(str(error), repr(str(target)), "permission denied", repr(str(target.parent)),
-                 "chmod", "dirpath")
+    assert_names(
+        str(error),
+        repr(str(target)),
+        "permission denied",
+        repr(str(target.parent)),
+        "chmod",
+        "dirpath",
+    )
     assert_old_checkpoint_intact(target)
 
 
-def test_rename_denied_removes_the_temporary(
-    monkeypatch: pytest.MonkeyPatch, target: Path
-) -> None:
+def test_rename_denied_removes_the_temporary(monkeypatch: pytest.MonkeyPatch, target: Path) -> None:
     def denied(src: object, dst: object) -> None:
         raise PermissionError(errno.EPERM, "Operation not permitted", str(src), None, str(dst))
 
@@ -156,8 +172,12 @@ def test_directory_that_cannot_be_created(tmp_path: Path) -> None:
     (tmp_path / "ckpts").write_text("not a directory")
     error = save_failing(tmp_path / "ckpts" / "last.ckpt")
     assert error.errno in (errno.EEXIST, errno.ENOTDIR)
-    assert_names(str(error), repr(str(tmp_path / "ckpts" / "last.ckpt")),
-                 f"{str(tmp_path / 'ckpts')!r} is a file, not a directory", "dirpath")
+    assert_names(
+        str(error),
+        repr(str(tmp_path / "ckpts" / "last.ckpt")),
+        f"{str(tmp_path / 'ckpts')!r} is a file, not a directory",
+        "dirpath",
+    )
     assert (tmp_path / "ckpts").read_text() == "not a directory"
 
 

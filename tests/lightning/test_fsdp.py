@@ -112,8 +112,11 @@ def _train_sharded(rank: int, world: int, kind: str, out: str) -> None:
     fresh.load_state_dict(model.state_dict())
     again.load_state_dict(result["sparsity"])
     result["reloaded"] = {
-        name: (sp.mask.placements == sp.param.placements, sp.mask.full_tensor(),
-               sp.param.detach().full_tensor())
+        name: (
+            sp.mask.placements == sp.param.placements,
+            sp.mask.full_tensor(),
+            sp.param.detach().full_tensor(),
+        )
         for name, sp in again.sparse_params.items()
     }
     torch.save(result, Path(out) / f"{kind}-rank{rank}.pt")

@@ -111,8 +111,9 @@ def _fit(
         ),
         lambda: RigL(sparsity=0.7, update={"freq": 3}),
         lambda: GMP(sparsity=[0.3, 0.5, 0.7], update={"steps": [0, 3, 6]}),
-        lambda: GraNet({"type": "cubic", "init": 0.3, "final": 0.7, "begin": 0, "end": 6},
-                       update={"freq": 3}),
+        lambda: GraNet(
+            {"type": "cubic", "init": 0.3, "final": 0.7, "begin": 0, "end": 6}, update={"freq": 3}
+        ),
         lambda: Group({"net.fc1.*": Static(0.5), "net.fc2.*": RigL(0.7, update={"freq": 3})}),
     ],
     ids=["static", "set", "rigl", "gmp-cycling", "granet", "group"],

@@ -197,8 +197,10 @@ class SparsityAlgorithm(ABC):
             if self.drop_fraction is not None:
                 self.drop_fraction_at(step)
         for what, schedule in (("sparsity", self.sparsity), ("drop_fraction", self.drop_fraction)):
-            step = None if schedule is None else first_undefined_use(
-                schedule, self.update_schedule, extra
+            step = (
+                None
+                if schedule is None
+                else first_undefined_use(schedule, self.update_schedule, extra)
             )
             if step is not None:
                 evaluate(schedule, step, what)  # raises naming the step (the overflow)
@@ -278,10 +280,14 @@ class SparsityAlgorithm(ABC):
         self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
         self.check_range(self.horizon())
         if orphans:
-            log.info("%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from "
-                     "a checkpoint or copied): replaced by this algorithm's initial masks (%s)",
-                     self.name, len(orphans), orphans[0],
-                     getattr(self.init_method, "__name__", self.init_method))
+            log.info(
+                "%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from "
+                "a checkpoint or copied): replaced by this algorithm's initial masks (%s)",
+                self.name,
+                len(orphans),
+                orphans[0],
+                getattr(self.init_method, "__name__", self.init_method),
+            )
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when

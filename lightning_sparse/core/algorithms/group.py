@@ -226,17 +226,25 @@ class Group:
         for algorithm in self:
             setattr(algorithm, attr, value)
 
-    autoupdate = property(lambda self: all(a.autoupdate for a in self),
-                          lambda self, v: self._set("autoupdate", v),
-                          doc="Whether optimizer steps update the members' masks.")
-    lightning_driven = property(lambda self: any(a.lightning_driven for a in self),
-                                lambda self, v: self._set("lightning_driven", v),
-                                doc="Set by the Lightning layer (it calls before_step).")
-    check_finite = property(lambda self: any(a.check_finite for a in self),
-                            lambda self, v: self._set("check_finite", v),
-                            doc="Skip updates on steps AMP will skip (set under AMP).")
-    unlogged_update = property(lambda self: any(a.unlogged_update for a in self),
-                               lambda self, v: self._set("unlogged_update", v))
+    autoupdate = property(
+        lambda self: all(a.autoupdate for a in self),
+        lambda self, v: self._set("autoupdate", v),
+        doc="Whether optimizer steps update the members' masks.",
+    )
+    lightning_driven = property(
+        lambda self: any(a.lightning_driven for a in self),
+        lambda self, v: self._set("lightning_driven", v),
+        doc="Set by the Lightning layer (it calls before_step).",
+    )
+    check_finite = property(
+        lambda self: any(a.check_finite for a in self),
+        lambda self, v: self._set("check_finite", v),
+        doc="Skip updates on steps AMP will skip (set under AMP).",
+    )
+    unlogged_update = property(
+        lambda self: any(a.unlogged_update for a in self),
+        lambda self, v: self._set("unlogged_update", v),
+    )
 
     @property
     def step(self) -> int:
@@ -255,12 +263,18 @@ class Group:
             merged.update(getattr(algorithm, attr))
         return merged
 
-    sparse_params = property(lambda self: self._merged("sparse_params"),
-                             doc="All members' sparse parameters by full name.")
-    last_update = property(lambda self: self._merged("last_update"),
-                           doc="The members' last update figures by parameter name.")
-    ever_active = property(lambda self: self._merged("ever_active"),
-                           doc="The members' ever-active masks (ITOP) by parameter name.")
+    sparse_params = property(
+        lambda self: self._merged("sparse_params"),
+        doc="All members' sparse parameters by full name.",
+    )
+    last_update = property(
+        lambda self: self._merged("last_update"),
+        doc="The members' last update figures by parameter name.",
+    )
+    ever_active = property(
+        lambda self: self._merged("ever_active"),
+        doc="The members' ever-active masks (ITOP) by parameter name.",
+    )
 
     def mask_target(self, name: str) -> float:
         """The target of the member that owns ``name``."""

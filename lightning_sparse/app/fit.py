@@ -9,8 +9,9 @@ layers. Any recipe, or any LightningCLI option, can be given on the command line
     lightning-sparse fit --ckpt_path last                  # resume the recipe's latest run
 
 Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory
-(`lightning_sparse.app.run_dirs`). Model and data are any LightningModule / LightningDataModule
-named by ``class_path``.
+(`lightning_sparse.app.run_dirs`); on a CUDA GPU, TF32 matmuls
+(`lightning_sparse.app.tensor_cores`). Model and data are any LightningModule /
+LightningDataModule named by ``class_path``.
 
 What a user can fix ends the command with one line and a non-zero exit status
 (`lightning_sparse.app.errors.CLIError`): a ``--config`` file that is missing or not a YAML
@@ -46,6 +47,7 @@ from lightning_sparse.app.errors import (
 from lightning_sparse.app.preflight import check_ckpt_path, check_config_files
 from lightning_sparse.app.quiet import plain_model_summary
 from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
+from lightning_sparse.app.tensor_cores import use_tensor_cores
 from lightning_sparse.app.threads import set_threads
 from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
 from lightning_sparse.lightning import SparseRunSummary
@@ -113,6 +115,7 @@ class SparseCLI(LightningCLI):
                 note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
         plain_model_summary(self.trainer.callbacks)
+        use_tensor_cores(self.trainer.accelerator)  # before Lightning's advice to do so
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
             for callback in self.trainer.callbacks:

@@ -1,4 +1,6 @@
-"""Shared test set-up: W&B offline and quiet, and the ``cuda`` marker skipped without CUDA.
+"""Shared test set-up: W&B offline and quiet, the ``cuda`` marker skipped without CUDA, and
+``LIGHTNING_SPARSE_PRETEND_CUDA=1`` to run the suite as Lightning sees a GPU machine
+(``tests/pretend_cuda/pretend_cuda.py``).
 
 The tree mirrors the package's layers: ``core/`` (plain PyTorch), ``lightning/`` (callbacks,
 workflows, distributed), ``wse/`` (the device), ``app/`` (CLI, recipes, docs), ``models/``.
@@ -7,12 +9,26 @@ workflows, distributed), ``wse/`` (the device), ``app/`` (CLI, recipes, docs), `
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+
+PRETEND_CUDA_DIR = Path(__file__).resolve().parent / "pretend_cuda"
+if os.environ.get("LIGHTNING_SPARSE_PRETEND_CUDA", "").strip() not in ("", "0"):
+    # This process, and (through sitecustomize.py on PYTHONPATH) every Python process a test
+    # starts, counts the pretended GPUs; torch itself still sees none.
+    sys.path.insert(0, str(PRETEND_CUDA_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(PRETEND_CUDA_DIR), os.environ.get("PYTHONPATH", "")) if p
+    )
+    import pretend_cuda
+
+    pretend_cuda.install()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

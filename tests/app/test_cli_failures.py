@@ -33,6 +33,7 @@ from lightning_sparse.lightning import checkpointing
 REPO = Path(__file__).resolve().parents[2]
 CSV = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
 TINY = [
+    *("--trainer.accelerator", "cpu"),  # the recipes say auto: the GPU where there is one
     *("--model.dim", "32", "--model.n_layers", "1", "--model.max_seq_len", "32"),
     *("--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000"),
     *("--data.val_windows", "4", "--trainer.enable_progress_bar", "false"),

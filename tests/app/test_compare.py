@@ -29,6 +29,7 @@ from lightning_sparse.core.algorithms.base import SparsityAlgorithm
 REPO = Path(__file__).resolve().parents[2]
 STATIC, DENSE, RIGL = (str(REPO / f"recipes/{n}_llama.yaml") for n in ("static", "dense", "rigl"))
 TINY = [
+    *("--trainer.accelerator", "cpu"),  # the recipes say auto: the GPU where there is one
     *("--model.dim", "32", "--model.n_layers", "1", "--model.max_seq_len", "32"),
     *("--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000"),
     *("--data.val_windows", "4", "--trainer.enable_progress_bar", "false"),

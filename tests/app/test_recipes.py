@@ -31,6 +31,7 @@ NAMES = ("dense", "static", "set", "rigl", "granet")
 MODELZOO_RIGL = MODELZOO_FIXTURES / "v2.10" / "params_gpt3_125m_rigl75.yaml"
 # A tiny model and corpus; the recipes' own schedules (updates every 50 steps) stay as written.
 TINY = [
+    *("--trainer.accelerator", "cpu"),  # the recipes say auto: the GPU where there is one
     *("--model.dim", "32", "--model.n_layers", "1", "--model.max_seq_len", "32"),
     *("--data.seq_len", "32", "--data.batch_size", "4", "--data.max_bytes", "20000"),
     *("--data.val_windows", "4", "--trainer.max_steps", "4", "--trainer.val_check_interval", "2"),

@@ -167,6 +167,35 @@ def hf_llama_fields(**overrides: Any) -> dict[str, Any]:
     }
 
 
+# Multi-process tests run gloo on the CPU; their workers see no GPU. On a GPU machine a worker
+# that sees one picks CUDA wherever a choice is left to torch (FSDP2's default device mesh follows
+# torch's current accelerator; Lightning's "auto"), and gloo then meets CUDA tensors: on the H200
+# of issue 26 a spawned FSDP2 worker died with SIGSEGV.
+CPU_WORKER_ENV = {"CUDA_VISIBLE_DEVICES": ""}
+
+
+@contextmanager
+def gpus_hidden_from_workers() -> Iterator[None]:
+    """Processes started inside (``mp.spawn``, ``subprocess``) inherit `CPU_WORKER_ENV`; this
+    process's environment is restored on exit (module-scoped fixtures cannot use monkeypatch)."""
+    saved = {name: os.environ.get(name) for name in CPU_WORKER_ENV}
+    os.environ.update(CPU_WORKER_ENV)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def repo_pythonpath() -> str:
+    """``PYTHONPATH`` for a subprocess that imports ``tests.*``: the repository root, then what
+    the environment already holds (``LIGHTNING_SPARSE_PRETEND_CUDA`` puts its folder there)."""
+    return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for ``MASTER_PORT``)."""
     with socket.socket() as s:
@@ -187,17 +216,19 @@ def run_ddp_script(
     the other ranks) and return each rank's ``OUTDIR/rank{r}.pt``.
 
     The script runs from the repository root with it on ``PYTHONPATH`` (so it can import
-    ``tests.scripts.*``), a free ``MASTER_PORT``, one OpenMP thread, no inherited rank variables,
-    and ``env`` on top. It gets a new session so a hang can be ended with the rank-1 process
-    Lightning started from it; reading the pipe to EOF also waits for rank 1, which inherits it.
+    ``tests.scripts.*``), a free ``MASTER_PORT``, one OpenMP thread, no GPU (`CPU_WORKER_ENV`),
+    no inherited rank variables, and ``env`` on top. It gets a new session so a hang can be ended
+    with the rank-1 process Lightning started from it; reading the pipe to EOF also waits for
+    rank 1, which inherits it.
     Fails the test after ``timeout`` seconds or on a nonzero exit status (``name`` says which run).
     """
     run_env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE")}
     run_env.update(
-        PYTHONPATH=os.pathsep.join([str(REPO), run_env.get("PYTHONPATH", "")]),
+        PYTHONPATH=repo_pythonpath(),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(free_port()),
         OMP_NUM_THREADS="1",
+        **CPU_WORKER_ENV,
         **(env or {}),
     )
     proc = subprocess.Popen(

@@ -28,8 +28,10 @@ Both are ordinary Lightning strategies whose accelerator is always a `WSEAcceler
 the device's work, see `accelerator.py`); they add what a user of the device should not have to
 remember:
 
-- ``strategy="wse"`` / ``"wse_ddp"`` alone select the device (``accelerator="auto"`` or
-  ``"cpu"`` is upgraded to ``"wse"``; a GPU accelerator is an error);
+- ``strategy="wse"`` / ``"wse_ddp"`` alone select the device (``accelerator="cpu"`` is upgraded
+  to ``"wse"``, and so is ``"auto"`` on a machine without a GPU; a GPU accelerator is an error,
+  ``"auto"`` on a GPU machine included, since Lightning resolves it to CUDA before the strategy
+  sees it);
 - an unsupported precision fails at ``Trainer(...)`` construction, not at fit time;
 - ``"wse_ddp"`` emulates a cluster of ``devices`` systems: data parallel over
   ``torch.distributed`` with the gloo backend, one process per system, each holding the same
@@ -287,7 +289,8 @@ def _as_wse(accelerator: pl.accelerators.Accelerator | None, kernel_path: str | 
         return WSEAccelerator(kernel_path=kernel_path)
     raise ValueError(
         f"the wse strategies run on accelerator='wse' (the CPU underneath), got "
-        f"{type(accelerator).__name__}; pass accelerator='wse' (or 'auto' or 'cpu')"
+        f"{type(accelerator).__name__}; pass accelerator='wse' or 'cpu' (accelerator='auto' "
+        "picks the GPU on a machine that has one)"
     )
 
 

@@ -27,7 +27,7 @@ from lightning_sparse.app import cli, common, compare, fit, quiet, run_dirs
 from lightning_sparse.app.wandb_mode import wandb_mode
 from lightning_sparse.core.state_dict import checkpoint_masks
 from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
-from tests.helpers import assert_state_equal
+from tests.helpers import assert_state_equal, repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 CSV = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
@@ -54,7 +54,8 @@ def env() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
-        "PYTHONPATH": str(REPO),  # tests.app.test_cli.SlowCommitCheckpointIO, for subprocesses
+        # tests.app.test_cli.SlowCommitCheckpointIO, for subprocesses
+        "PYTHONPATH": repo_pythonpath(),
         "COLUMNS": "80",  # --help wraps at the terminal width
     }
 

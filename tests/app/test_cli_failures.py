@@ -29,6 +29,7 @@ from jsonargparse import Namespace
 
 from lightning_sparse.app import cli, fit, run_dirs
 from lightning_sparse.lightning import checkpointing
+from tests.helpers import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 CSV = ["--trainer.logger", "lightning.pytorch.loggers.CSVLogger"]
@@ -69,7 +70,7 @@ def process_env() -> dict[str, str]:
         "LIGHTNING_SPARSE_THREADS": "1",
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
-        "PYTHONPATH": str(REPO),
+        "PYTHONPATH": repo_pythonpath(),
     }
 
 

@@ -25,6 +25,7 @@ from lightning_sparse.app import compare, compare_runs, compare_table, svg_plot
 from lightning_sparse.app.fit import SparseCLI
 from lightning_sparse.app.stats import mean_interval, paired_difference
 from lightning_sparse.core.algorithms.base import SparsityAlgorithm
+from tests.helpers import repo_pythonpath
 
 REPO = Path(__file__).resolve().parents[2]
 STATIC, DENSE, RIGL = (str(REPO / f"recipes/{n}_llama.yaml") for n in ("static", "dense", "rigl"))
@@ -43,7 +44,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     # Inherited by the runs `compare` starts.
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("PYTHONPATH", repo_pythonpath())
 
 
 def built(seed: int) -> tuple[dict, torch.Tensor, dict]:
@@ -178,7 +179,7 @@ def test_an_interrupted_comparison_resumes_where_it_stopped(
     out = tmp_path / "cmp"
     args = ["--recipes", STATIC, str(rigl), "--jobs", "1", "--steps", "40", "--out", str(out)]
     args += ["--", *TINY]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "lightning_sparse.app.cli", "compare", *args]
     process = subprocess.Popen(
         command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT

@@ -21,7 +21,7 @@ from safetensors import SafetensorError  # noqa: E402
 from lightning_sparse import Static  # noqa: E402
 from lightning_sparse.app import cli  # noqa: E402
 from lightning_sparse.models import LitCausalLM  # noqa: E402
-from tests.helpers import one_thread  # noqa: E402, F401  (autouse: one torch thread)
+from tests.helpers import one_thread, repo_pythonpath  # noqa: E402, F401  (autouse: one torch thread)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,7 +121,7 @@ def test_a_missing_checkpoint_a_bad_format_and_an_existing_folder(
 
 def test_the_real_entry_point_prints_one_line(tmp_path: Path) -> None:
     """The installed command's path (``python -m lightning_sparse.app.cli``), end to end."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": repo_pythonpath()}
     done = subprocess.run(
         [sys.executable, "-m", "lightning_sparse.app.cli", "export", "--ckpt_path",
          str(tmp_path / "gone.ckpt"), "--output", str(tmp_path / "out")],

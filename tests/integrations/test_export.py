@@ -35,7 +35,7 @@ from lightning_sparse.integrations import export as export_module  # noqa: E402
 from lightning_sparse.integrations.compressed import load_compressed  # noqa: E402
 from lightning_sparse.models import LitCausalLM, Llama, LlamaConfig  # noqa: E402
 from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
-from tests.helpers import full_state, one_thread, sparse_hf_lit  # noqa: E402, F401  (autouse: one thread)
+from tests.helpers import full_state, one_thread, repo_pythonpath, sparse_hf_lit  # noqa: E402, F401  (autouse: one thread)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -258,7 +258,12 @@ def test_fit_checkpoint_exports_from_the_command_line(
         *("--trainer.enable_model_summary", "false", "--trainer.max_steps", "3"),
         *("--trainer.logger", "lightning.pytorch.loggers.CSVLogger"),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "offline",
+        "PYTHONPATH": repo_pythonpath(),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "lightning_sparse.app.cli", "fit", *tiny],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,

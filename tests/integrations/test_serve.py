@@ -29,7 +29,7 @@ from lightning_sparse.models.hf import HFCausalLM  # noqa: E402
 from lightning_sparse.wse import on_wse, register_masks  # noqa: E402
 from lightning_sparse.wse.csr_linear import CSRLinear  # noqa: E402
 from lightning_sparse.wse.native import compiled_available  # noqa: E402
-from tests.helpers import hf_llama_fields, one_thread  # noqa: E402, F401  (autouse)
+from tests.helpers import hf_llama_fields, one_thread, repo_pythonpath  # noqa: E402, F401  (autouse)
 
 REPO = Path(__file__).resolve().parents[2]
 # Shapes chosen so no dense tensor of the model has a masked layer's element count: q/o 48x48,
@@ -318,7 +318,7 @@ def _edit_config(path: Path, **fields: object) -> None:
 
 # ---------------------------------------------------------------------------------------- CLI
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "LIGHTNING_SPARSE_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": repo_pythonpath(), "LIGHTNING_SPARSE_THREADS": "1"}
     return subprocess.run(
         [sys.executable, "-m", "lightning_sparse.app.cli", "generate", *args],
         capture_output=True, text=True, env=env, timeout=300, check=False,

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sparse import SET, RigL
-from tests.helpers import free_port, run_ddp_script
+from tests.helpers import free_port, gpus_hidden_from_workers, run_ddp_script
 from tests.scripts import lightning_ddp
 
 WORLD = 2
@@ -151,7 +151,10 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 def plain_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Run ``_worker`` on two spawned gloo processes once; each rank's results."""
     outdir = tmp_path_factory.mktemp("plain_ddp")
-    context = mp.spawn(_worker, args=(WORLD, free_port(), str(outdir)), nprocs=WORLD, join=False)
+    with gpus_hidden_from_workers():  # gloo on the CPU, on a GPU machine too
+        context = mp.spawn(
+            _worker, args=(WORLD, free_port(), str(outdir)), nprocs=WORLD, join=False
+        )
     deadline = time.monotonic() + TIMEOUT_S
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

@@ -2,6 +2,12 @@
 
 Two gloo processes on CPU train a sharded MLP with SET and RigL; the gathered weights and masks
 must equal single-process training on the same global batch, and no rank may hold a full-size mask.
+
+The workers shard over an explicit CPU device mesh and see no GPU (`gpus_hidden_from_workers`).
+``fully_shard`` without a mesh builds one on torch's current accelerator: on a GPU machine that is
+CUDA, so both ranks moved their parameters to ``cuda:0`` (neither sets a device) and ran FSDP2's
+all-gathers and reduce-scatters through gloo on CUDA tensors; on the H200 of issue 26 a worker
+died with SIGSEGV there.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_sparse import SET, RigL, Static
+from tests.helpers import CPU_WORKER_ENV, gpus_hidden_from_workers, repo_pythonpath
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -81,14 +88,22 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _train_sharded(rank: int, world: int, kind: str, out: str) -> None:
+def _sharded_model(world: int) -> torch.nn.Module:
+    """`_model` with each Linear and the whole model sharded over a CPU mesh of ``world`` ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (world,))
     model = _model()
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _train_sharded(rank: int, world: int, kind: str, out: str) -> None:
+    model = _sharded_model(world)
     sparsity = _train(model, kind, rank, world)
     result = {"local_mask_numel": {}, "state": {}}
     for name, sp in sparsity.sparse_params.items():
@@ -103,11 +118,7 @@ def _train_sharded(rank: int, world: int, kind: str, out: str) -> None:
     # The algorithm state gathers the masks (packed) on every rank; a fresh sharded model and
     # algorithm load it back, sharded like the parameters, with the weights, bit-exactly.
     result["sparsity"] = sparsity.state_dict()
-    fresh, again = _model(), _make(kind)
-    for layer in fresh:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(fresh)
+    fresh, again = _sharded_model(world), _make(kind)
     fresh.apply(again)
     fresh.load_state_dict(model.state_dict())
     again.load_state_dict(result["sparsity"])
@@ -148,7 +159,8 @@ def _results_complete(out: Path, names: list[str]) -> bool:
 def sharded_results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fsdp2")
     try:
-        mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
+        with gpus_hidden_from_workers():
+            mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2)
     except mp.ProcessExitedException as error:
         names = [f"{kind}-rank{rank}.pt" for kind in KINDS for rank in range(2)]
         if error.signal_name != "SIGABRT" or not _results_complete(out, names):
@@ -190,7 +202,7 @@ def test_lightning_model_parallel_strategy_fsdp2(tmp_path: Path) -> None:
     import sys
 
     script = Path(__file__).resolve().parents[1] / "scripts" / "lightning_fsdp2.py"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "STEPS": "6"}
+    env = {**os.environ, **CPU_WORKER_ENV, "PYTHONPATH": repo_pythonpath(), "STEPS": "6"}
     for mode in ("fsdp2", "single"):
         done = subprocess.run(
             [sys.executable, str(script), str(tmp_path), mode],

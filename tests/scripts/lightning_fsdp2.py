@@ -77,7 +77,9 @@ def run(out: Path, distributed: bool) -> None:
         callbacks=[callback],
     )
     if distributed:
-        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        strategy = ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, process_group_backend="gloo"
+        )
         trainer = pl.Trainer(devices=2, strategy=strategy, **kwargs)
         loader = DataLoader(data(), batch_size=4)  # Lightning adds a DistributedSampler
     else:

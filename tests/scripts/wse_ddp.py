@@ -26,7 +26,8 @@ from tests.scripts.lightning_ddp import WORLD, main, train
 def fit(kind: str) -> dict[str, Any]:
     """Fit for STEPS steps on two systems; return masks, weights and the device statistics."""
     strategy = WSEDDPStrategy(kernel_path=os.environ.get("WSE_TEST_KERNEL_PATH"))
-    record, trainer, _, module = train(kind, devices=WORLD, strategy=strategy)
+    # "cpu", upgraded to "wse" by the strategy ("auto" would be CUDA on a GPU machine).
+    record, trainer, _, module = train(kind, accelerator="cpu", devices=WORLD, strategy=strategy)
     record.update(
         accelerator=type(trainer.accelerator).__name__,
         backend=trainer.strategy.process_group_backend,

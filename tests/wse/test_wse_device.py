@@ -150,10 +150,10 @@ def test_names_registered_for_python_and_yaml() -> None:
 
     trainer = pl.Trainer(accelerator="wse", logger=False)
     assert isinstance(trainer.accelerator, WSEAccelerator)
-    trainer = pl.Trainer(strategy="wse", logger=False)  # strategy alone selects the device
+    trainer = pl.Trainer(accelerator="cpu", strategy="wse", logger=False)  # the strategy upgrades
     assert isinstance(trainer.strategy, WSEStrategy)
     assert isinstance(trainer.accelerator, WSEAccelerator)
-    trainer = pl.Trainer(strategy="wse_ddp", devices=2, logger=False)
+    trainer = pl.Trainer(accelerator="cpu", strategy="wse_ddp", devices=2, logger=False)
     assert isinstance(trainer.accelerator, WSEAccelerator)
     assert trainer.strategy.process_group_backend == "gloo"
     cli = LightningCLI(
@@ -411,7 +411,7 @@ def test_flops_hand_count_and_masks_appearing_later() -> None:
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "bf16-true"])
 def test_unsupported_precision_is_a_clear_error(precision: str) -> None:
     with pytest.raises(ValueError, match="does not support precision"):
-        pl.Trainer(strategy="wse", precision=precision, logger=False)
+        pl.Trainer(accelerator="cpu", strategy="wse", precision=precision, logger=False)
     trainer = _trainer("wse", [Static(0.5)], precision=precision, max_steps=1)
     with pytest.raises(ValueError, match="does not support precision"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -429,6 +429,21 @@ def test_wrong_accelerator_or_backend_for_wse_strategies() -> None:
         WSEDDPStrategy(process_group_backend="nccl")
     with pytest.raises(ValueError, match="kernel_path"):
         WSEAccelerator(kernel_path="fast")
+
+
+def test_auto_on_a_gpu_machine_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where Lightning counts a GPU, ``accelerator="auto"`` becomes CUDA before the strategy
+    sees it: the error says to pass 'cpu' or 'wse', which work there."""
+    import lightning.fabric.accelerators.cuda as fabric_cuda
+    import lightning.pytorch.accelerators.cuda as pytorch_cuda
+
+    for module in (fabric_cuda, pytorch_cuda):
+        monkeypatch.setattr(module, "num_cuda_devices", lambda: 1)
+    with pytest.raises(ValueError, match=r"accelerator='wse' or 'cpu' \(accelerator='auto' picks"):
+        pl.Trainer(strategy="wse", logger=False)
+    for accelerator in ("cpu", "wse"):
+        trainer = pl.Trainer(accelerator=accelerator, strategy="wse", logger=False)
+        assert isinstance(trainer.accelerator, WSEAccelerator)
 
 
 class ConvEmbedNet(pl.LightningModule):

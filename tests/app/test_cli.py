@@ -384,7 +384,7 @@ def resume_recipe(tmp_path: Path, slow: bool) -> str:
     a checkpoint every 4 steps."""
     config = yaml.safe_load(fit.DEFAULT_RECIPE.read_text())
     trainer = config["trainer"]
-    trainer.update(max_steps=40, val_check_interval=10, log_every_n_steps=5)
+    trainer.update(accelerator="cpu", max_steps=40, val_check_interval=10, log_every_n_steps=5)
     trainer["enable_progress_bar"] = trainer["enable_model_summary"] = False
     trainer["logger"] = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",

@@ -283,6 +283,7 @@ def test_modelzoo_file_path_and_a_plain_lightning_module(tmp_path: Path) -> None
     assert MODELZOO_RIGL.is_file(), f"{MODELZOO_RIGL} (a repository fixture) is missing"
     config = {
         "trainer": {
+            "accelerator": "cpu",
             "max_steps": 3,
             "logger": False,
             "enable_progress_bar": False,

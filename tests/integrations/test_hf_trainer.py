@@ -172,7 +172,9 @@ def test_save_model_has_no_masks_and_from_pretrained_is_clean(
 ) -> None:
     sparsity = rigl()
     model, _ = train(tmp_path / "run", sparsity, max_steps=4)
-    args = transformers.TrainingArguments(output_dir=str(tmp_path / "run"), report_to=[])
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True
+    )
     trainer = transformers.Trainer(model=model, args=args)
     trainer.save_model(str(tmp_path / "final"))
     assert not [k for k in saved_keys(tmp_path / "final") if k.endswith("_mask")]

@@ -1,0 +1,118 @@
+"""The wheel folder `benchmarks/gpu_check.sh` installs on a GPU machine without a package index.
+
+    python benchmarks/gpu_wheels.py check .whl   # is the set complete and closed?
+
+``check`` reads every ``*.whl`` in the folder (its ``METADATA``), and fails, naming them, when
+- a pin of ``benchmarks/gpu_wheels.txt`` has no wheel of that version, or a wheel is no pin's;
+- a wheel cannot run on the machine (CPython 3.12, Linux x86_64, glibc 2.28 or older tags);
+- a requirement of a wheel (markers evaluated for that machine, the extras the project asks for)
+  is neither a wheel in the folder nor a package of the image (``gpu_image_packages.txt``).
+The image's versions are not known here, so a requirement it satisfies is checked by name only.
+`benchmarks/gpu_wheels.sh` fills the folder, then runs this check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.tags import Tag
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+HERE = Path(__file__).resolve().parent
+PINS = HERE / "gpu_wheels.txt"
+IMAGE = HERE / "gpu_image_packages.txt"
+# What the project asks for (pyproject.toml), by the extras it names.
+ROOTS = {"jsonargparse": {"signatures"}, "wandb": set(), "compressed-tensors": set()}
+# The GPU machine: python3 3.12 (CPython) on Linux x86_64.
+MARKERS = {
+    "python_version": "3.12",
+    "python_full_version": "3.12.3",
+    "implementation_name": "cpython",
+    "platform_python_implementation": "CPython",
+    "sys_platform": "linux",
+    "platform_system": "Linux",
+    "platform_machine": "x86_64",
+    "os_name": "posix",
+}
+PLATFORMS = ("any", "linux_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64") + tuple(
+    f"manylinux_2_{minor}_x86_64" for minor in range(5, 29)
+)
+
+
+def names(path: Path) -> list[str]:
+    """The non-comment lines of a list file."""
+    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line]
+
+
+def _runs_there(tag: Tag) -> bool:
+    python_ok = tag.interpreter in ("py3", "cp312") or tag.interpreter.startswith("py3")
+    abi_ok = tag.abi in ("none", "abi3", "cp312")
+    return python_ok and abi_ok and tag.platform in PLATFORMS
+
+
+def _requires(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        text = archive.read(metadata).decode()
+    return Parser().parsestr(text).get_all("Requires-Dist") or []
+
+
+def problems(folder: Path, pins: list[str], image: list[str]) -> list[str]:
+    """What is wrong with the wheel folder (empty: complete and closed)."""
+    found: dict[str, tuple[str, Path]] = {}
+    errors = []
+    for wheel in sorted(folder.glob("*.whl")):
+        name, version, _, tags = parse_wheel_filename(wheel.name)
+        found[name] = (str(version), wheel)
+        if not any(_runs_there(tag) for tag in tags):
+            errors.append(f"{wheel.name}: no tag runs on CPython 3.12, Linux x86_64")
+    pinned = {}
+    for pin in pins:
+        requirement = Requirement(pin)
+        (spec,) = requirement.specifier
+        pinned[canonicalize_name(requirement.name)] = spec.version
+    for name, version in pinned.items():
+        if name not in found:
+            errors.append(f"{name}=={version}: no wheel (run bash benchmarks/gpu_wheels.sh)")
+        elif found[name][0] != version:
+            errors.append(f"{name}: wheel {found[name][0]}, pinned {version}")
+    errors += [f"{name}: a wheel no pin asks for" for name in found if name not in pinned]
+    present = set(found) | {canonicalize_name(n) for n in image}
+    for name, (_, wheel) in found.items():
+        extras = ROOTS.get(name, set())
+        for line in _requires(wheel):
+            requirement = Requirement(line)
+            wanted = requirement.marker is None or any(
+                requirement.marker.evaluate({**MARKERS, "extra": extra})
+                for extra in (extras or {""})
+            )
+            dependency = canonicalize_name(requirement.name)
+            if wanted and dependency != name and dependency not in present:
+                errors.append(f"{name} needs {line.split(';')[0].strip()}: not a wheel here")
+    return errors
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=["check"])
+    parser.add_argument("folder", type=Path)
+    args = parser.parse_args(argv)
+    if not args.folder.is_dir():
+        print(f"{args.folder}: no such folder (fill it with bash benchmarks/gpu_wheels.sh)")
+        return 1
+    errors = problems(args.folder, names(PINS), names(IMAGE))
+    for error in errors:
+        print(f"gpu_wheels: {error}")
+    count = len(list(args.folder.glob("*.whl")))
+    print(f"gpu_wheels: {args.folder}: {count} wheels, " + ("NOT ready" if errors else "ready"))
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`benchmarks/gpu_check.sh` (docs/gpu.md): its dry run passes on any machine, and the wheel
+folder it installs on a GPU machine without a package index is checked complete and closed
+(`benchmarks/gpu_wheels.py`)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _wheels_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_wheels", REPO / "benchmarks/gpu_wheels.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_wheels = _wheels_module()
+
+
+def run_check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), *args, "--out", str(tmp_path / "logs")],
+        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_dry_run_checks_every_part_in_a_cpu_form(tmp_path: Path) -> None:
+    done = run_check("--dry-run", "--wheels", str(tmp_path / "none"), tmp_path=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    table = (tmp_path / "logs" / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in table] == [
+        ["setup", "ok"], ["cuda", "ok"], ["suite", "ok"], ["fit", "ok"], ["bench", "ok"]
+    ]  # fmt: skip
+    logs = tmp_path / "logs"
+    assert "tests collected" in (logs / "suite.log").read_text()
+    assert "class_path: lightning.pytorch.loggers.WandbLogger" in (logs / "fit.log").read_text()
+    assert "--quick" in (logs / "bench.log").read_text()  # the benchmark's options, parsed
+
+
+def test_a_failing_part_is_reported_and_the_rest_still_run(tmp_path: Path) -> None:
+    """A part that fails (here: the CUDA tests' collection, given 10 ms) is in the table and the
+    exit status, and the parts after it still run (the suite's collection)."""
+    args = ("--dry-run", "--parts", "cuda,suite", "--timeout", "cuda=0.01")
+    done = run_check(*args, tmp_path=tmp_path)
+    table = (tmp_path / "logs" / "summary.txt").read_text()
+    assert done.returncode == 1, done.stdout
+    assert [line.split()[:2] for line in table.splitlines()] == [
+        ["setup", "ok"], ["cuda", "TIMEOUT"], ["suite", "ok"]
+    ]  # fmt: skip
+
+
+def test_bad_options_are_refused(tmp_path: Path) -> None:
+    for args, message in (
+        (["--parts", "cuda,gpu"], "no part 'gpu'"),
+        (["--timeout", "setup=5"], "no part 'setup'"),
+        (["--frobnicate"], "unknown option --frobnicate"),
+    ):
+        done = run_check(*args, tmp_path=tmp_path)
+        assert done.returncode == 2 and message in done.stdout, (args, done.stdout)
+
+
+# ------------------------------------------------------------------ the wheel folder's check
+def _wheel(
+    folder: Path, name: str, version: str, requires: list[str], tag: str = "py3-none-any"
+) -> None:
+    stem = f"{name.replace('-', '_')}-{version}"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n" + "".join(
+        f"Requires-Dist: {line}\n" for line in requires
+    )
+    with zipfile.ZipFile(folder / f"{stem}-{tag}.whl", "w") as archive:
+        archive.writestr(f"{stem}.dist-info/METADATA", metadata)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    """A closed set: wandb needs pydantic (a wheel) and requests (the image); jsonargparse's
+    signatures extra needs docstring-parser; what markers exclude on CPython 3.12 is not needed."""
+    _wheel(tmp_path, "wandb", "0.31.0", ["pydantic<3,>=2.6", "requests", "boto3; extra == 'aws'"])
+    _wheel(tmp_path, "pydantic", "2.14.4", ['tzdata; platform_system == "Windows"'])
+    _wheel(
+        tmp_path,
+        "jsonargparse",
+        "4.53.0",
+        ['docstring-parser>=0.17; extra == "signatures"', 'toml; extra == "toml"',
+         'typing-extensions>=4.12.0; python_version < "3.11" and extra == "signatures"'],
+    )  # fmt: skip
+    _wheel(tmp_path, "docstring-parser", "0.18.0", [])
+    return tmp_path
+
+
+PINS = ["wandb==0.31.0", "pydantic==2.14.4", "jsonargparse==4.53.0", "docstring-parser==0.18.0"]
+
+
+def test_a_closed_set_is_ready(folder: Path) -> None:
+    assert gpu_wheels.problems(folder, PINS, ["requests"]) == []
+
+
+def test_what_is_missing_or_wrong_is_named(folder: Path) -> None:
+    (folder / "pydantic-2.14.4-py3-none-any.whl").unlink()
+    (folder / "docstring_parser-0.18.0-py3-none-any.whl").rename(
+        folder / "docstring_parser-0.18.0-cp311-cp311-manylinux_2_17_x86_64.whl"
+    )
+    _wheel(folder, "extra-thing", "1.0", ["sniffio"])
+    pins = ["pydantic==2.14.4", "jsonargparse==4.52.0", "docstring-parser==0.18.0"]
+    errors = gpu_wheels.problems(folder, pins, [])
+    assert errors == [
+        "docstring_parser-0.18.0-cp311-cp311-manylinux_2_17_x86_64.whl: no tag runs on "
+        "CPython 3.12, Linux x86_64",
+        "pydantic==2.14.4: no wheel (run bash benchmarks/gpu_wheels.sh)",
+        "jsonargparse: wheel 4.53.0, pinned 4.52.0",
+        "extra-thing: a wheel no pin asks for",
+        "wandb: a wheel no pin asks for",
+        "extra-thing needs sniffio: not a wheel here",
+        "wandb needs pydantic<3,>=2.6: not a wheel here",
+        "wandb needs requests: not a wheel here",
+    ]
+
+
+def test_the_pins_are_the_ones_the_project_asks_for() -> None:
+    """Every root the check starts from is pinned, and nothing the image already has is."""
+    pins = {line.split("==")[0] for line in gpu_wheels.names(gpu_wheels.PINS)}
+    image = set(gpu_wheels.names(gpu_wheels.IMAGE))
+    assert set(gpu_wheels.ROOTS) <= pins
+    assert not pins & image
+    assert {"torch", "lightning", "transformers", "pytest", "hypothesis"} <= image

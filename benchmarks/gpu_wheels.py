@@ -68,11 +68,11 @@ def problems(folder: Path, pins: list[str], image: list[str]) -> list[str]:
     found: dict[str, tuple[str, Path]] = {}
     errors = []
     for wheel in sorted(folder.glob("*.whl")):
-        name, version, _, tags = parse_wheel_filename(wheel.name)
-        found[name] = (str(version), wheel)
+        project, built, _, tags = parse_wheel_filename(wheel.name)
+        found[str(project)] = (str(built), wheel)
         if not any(_runs_there(tag) for tag in tags):
             errors.append(f"{wheel.name}: no tag runs on CPython 3.12, Linux x86_64")
-    pinned = {}
+    pinned: dict[str, str] = {}
     for pin in pins:
         requirement = Requirement(pin)
         (spec,) = requirement.specifier
@@ -84,8 +84,8 @@ def problems(folder: Path, pins: list[str], image: list[str]) -> list[str]:
             errors.append(f"{name}: wheel {found[name][0]}, pinned {version}")
     errors += [f"{name}: a wheel no pin asks for" for name in found if name not in pinned]
     present = set(found) | {canonicalize_name(n) for n in image}
-    for name, (_, wheel) in found.items():
-        extras = ROOTS.get(name, set())
+    for owner, (_, wheel) in found.items():
+        extras = ROOTS.get(owner, set())
         for line in _requires(wheel):
             requirement = Requirement(line)
             wanted = requirement.marker is None or any(
@@ -93,8 +93,8 @@ def problems(folder: Path, pins: list[str], image: list[str]) -> list[str]:
                 for extra in (extras or {""})
             )
             dependency = canonicalize_name(requirement.name)
-            if wanted and dependency != name and dependency not in present:
-                errors.append(f"{name} needs {line.split(';')[0].strip()}: not a wheel here")
+            if wanted and dependency != owner and dependency not in present:
+                errors.append(f"{owner} needs {line.split(';')[0].strip()}: not a wheel here")
     return errors
 
 

@@ -257,6 +257,7 @@ def test_fit_checkpoint_exports_from_the_command_line(
         *("--data.val_windows", "4", "--trainer.enable_progress_bar", "false"),
         *("--trainer.enable_model_summary", "false", "--trainer.max_steps", "3"),
         *("--trainer.logger", "lightning.pytorch.loggers.CSVLogger"),
+        *("--trainer.accelerator", "cpu"),  # the recipe says auto: the GPU where there is one
     ]
     env = {
         **os.environ,

@@ -152,6 +152,8 @@ def test_hf_llama_tiny_recipe_trains_through_the_cli(
     monkeypatch.chdir(tmp_path)
     recipe = RECIPE  # not cli.RECIPES_DIR: that is the installed checkout's, maybe not this one
     short = [
+        "--trainer.accelerator",  # the recipe says auto: the GPU where there is one
+        "cpu",
         "--trainer.max_steps",
         "12",
         "--trainer.val_check_interval",

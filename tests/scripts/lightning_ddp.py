@@ -24,6 +24,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -114,11 +115,10 @@ def train(kind: str, **trainer_kwargs: Any) -> tuple[dict[str, Any], pl.Trainer,
 
 def fit(kind: str, devices: int) -> dict[str, Any]:
     """Fit for STEPS steps; return masks after every update, final masks and weights, counters."""
+    # gloo named, not left to Lightning to choose (the CPU, on a GPU machine too).
+    strategy = DDPStrategy(process_group_backend="gloo") if devices > 1 else "auto"
     record, trainer, algorithm, _ = train(
-        kind,
-        accelerator="cpu",
-        devices=devices,
-        strategy="ddp" if devices > 1 else "auto",
+        kind, accelerator="cpu", devices=devices, strategy=strategy
     )
     record["global_step"] = trainer.global_step
     record["ever_active"] = {name: m.clone() for name, m in algorithm.ever_active.items()}

@@ -150,6 +150,10 @@ elif [ -n "$missing" ] && [ $dry = 0 ]; then
     exit 1
 else
     note=$([ $dry = 1 ] && echo "dry run: nothing installed" || echo "installed")
+    if [ -d "$wheels" ]; then  # versions the image holds that a wheel does not accept
+        "$py" benchmarks/gpu_wheels.py installed "$wheels" >"$out/versions.log" 2>&1 \
+            || note="$note; version conflicts, see $out/versions.log"
+    fi
     record setup ok $((SECONDS - start)) "$note${missing:+; missing here: $missing}"
 fi
 bin=$("$py" -c "import os, sys; print(os.path.dirname(sys.executable))")

@@ -1,6 +1,7 @@
 """The wheel folder `benchmarks/gpu_check.sh` installs on a GPU machine without a package index.
 
-    python benchmarks/gpu_wheels.py check .whl   # is the set complete and closed?
+    python benchmarks/gpu_wheels.py check .whl       # is the set complete and closed?
+    python benchmarks/gpu_wheels.py installed .whl   # (on the GPU machine, after installing)
 
 ``check`` reads every ``*.whl`` in the folder (its ``METADATA``), and fails, naming them, when
 - a pin of ``benchmarks/gpu_wheels.txt`` has no wheel of that version, or a wheel is no pin's;
@@ -9,11 +10,16 @@
   is neither a wheel in the folder nor a package of the image (``gpu_image_packages.txt``).
 The image's versions are not known here, so a requirement it satisfies is checked by name only.
 `benchmarks/gpu_wheels.sh` fills the folder, then runs this check.
+
+``installed`` checks versions where they are known: in the Python that runs it, every requirement
+of every wheel in the folder (markers evaluated there) is installed at a version it accepts.
+`benchmarks/gpu_check.sh` runs it after installing the wheels, and says what conflicts.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import sys
 import zipfile
 from email.parser import Parser
@@ -88,24 +94,57 @@ def problems(folder: Path, pins: list[str], image: list[str]) -> list[str]:
         extras = ROOTS.get(owner, set())
         for line in _requires(wheel):
             requirement = Requirement(line)
-            wanted = requirement.marker is None or any(
-                requirement.marker.evaluate({**MARKERS, "extra": extra})
-                for extra in (extras or {""})
-            )
+            wanted = _wanted(requirement, extras, markers=None)
             dependency = canonicalize_name(requirement.name)
             if wanted and dependency != owner and dependency not in present:
                 errors.append(f"{owner} needs {line.split(';')[0].strip()}: not a wheel here")
     return errors
 
 
+def _wanted(requirement: Requirement, extras: set[str], markers: dict[str, str] | None) -> bool:
+    """Whether ``requirement`` applies with ``extras`` asked for: on the GPU machine (``markers``
+    None: `MARKERS`), or on this Python (``{}``: packaging's default, the running interpreter)."""
+    if requirement.marker is None:
+        return True
+    base = MARKERS if markers is None else markers
+    return any(requirement.marker.evaluate({**base, "extra": e}) for e in (extras or {""}))
+
+
+def installed_problems(folder: Path) -> list[str]:
+    """Requirements of the folder's wheels that this Python's installed packages do not meet
+    (markers evaluated for this Python)."""
+    errors = []
+    for wheel in sorted(folder.glob("*.whl")):
+        owner = str(parse_wheel_filename(wheel.name)[0])
+        for line in _requires(wheel):
+            requirement = Requirement(line)
+            if not _wanted(requirement, ROOTS.get(owner, set()), markers={}):
+                continue
+            try:
+                version = importlib.metadata.version(requirement.name)
+            except importlib.metadata.PackageNotFoundError:
+                errors.append(f"{owner} needs {requirement.name}: not installed")
+                continue
+            if not requirement.specifier.contains(version, prereleases=True):
+                spec = f"{requirement.name}{requirement.specifier}"
+                errors.append(f"{owner} needs {spec}: {version} is installed")
+    return errors
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["check"])
+    parser.add_argument("command", choices=["check", "installed"])
     parser.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
     if not args.folder.is_dir():
         print(f"{args.folder}: no such folder (fill it with bash benchmarks/gpu_wheels.sh)")
         return 1
+    if args.command == "installed":
+        errors = installed_problems(args.folder)
+        for error in errors:
+            print(f"gpu_wheels: {error}")
+        print(f"gpu_wheels: installed: {len(errors)} unmet requirement(s) of the wheels")
+        return 1 if errors else 0
     errors = problems(args.folder, names(PINS), names(IMAGE))
     for error in errors:
         print(f"gpu_wheels: {error}")

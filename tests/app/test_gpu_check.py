@@ -4,6 +4,7 @@ folder it installs on a GPU machine without a package index is checked complete 
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -137,3 +138,20 @@ def test_the_pins_are_the_ones_the_project_asks_for() -> None:
     assert set(gpu_wheels.ROOTS) <= pins
     assert not pins & image
     assert {"torch", "lightning", "transformers", "pytest", "hypothesis"} <= image
+
+
+def test_installed_versions_are_checked_against_every_wheel(tmp_path: Path) -> None:
+    """On the GPU machine, after installing: what the image holds at a version a wheel refuses,
+    or not at all, is named; markers are this Python's."""
+    pytest_version = importlib.metadata.version("pytest")
+    _wheel(
+        tmp_path,
+        "wandb",
+        "0.31.0",
+        [f"pytest=={pytest_version}", "pytest<1", "not-a-package-anywhere>=1",
+         'other-missing; python_version < "3"', "boto3; extra == 'aws'"],
+    )  # fmt: skip
+    assert gpu_wheels.installed_problems(tmp_path) == [
+        f"wandb needs pytest<1: {pytest_version} is installed",
+        "wandb needs not-a-package-anywhere: not installed",
+    ]

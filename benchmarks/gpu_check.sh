@@ -29,7 +29,7 @@ dry=0
 parts="cuda,suite,fit,bench"
 out=${OUT:-$repo/gpu_check_logs}
 wheels=$repo/.whl
-declare -A limit=([cuda]=90 [suite]=210 [fit]=120 [bench]=90)
+declare -A limit=([cuda]=75 [suite]=210 [fit]=140 [bench]=85)
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case $1 in

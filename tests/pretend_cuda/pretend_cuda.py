@@ -13,7 +13,9 @@ Only Lightning's count is patched (``lightning.fabric.accelerators.cuda.num_cuda
 
 ``tests/conftest.py`` calls `install` in the pytest process and puts this folder on
 ``PYTHONPATH``, where ``sitecustomize.py`` calls it in every Python process a test starts (the
-``lightning-sparse`` CLI, ``tests/scripts/*.py``, Lightning's ddp ranks, spawned workers).
+``lightning-sparse`` CLI, ``tests/scripts/*.py``, Lightning's ddp ranks, spawned workers). That
+``sitecustomize`` shadows any other on the path (a virtual environment made by ``.ci/setup`` has
+none); a subprocess started with ``python -I`` or ``-E`` does not pretend.
 """
 
 from __future__ import annotations

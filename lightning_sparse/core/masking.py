@@ -92,8 +92,8 @@ class PrunedValues:
     """Values pruning zeroed in a weight, to put back if the masks change before it is written.
 
     ``positions``: packed bits (`bitpack`) of the zeroed positions; ``values``: their values in
-    order; both on the CPU. Valid for ``weight`` while its version counter is ``version``
-    (`seal`): a write since makes them stale.
+    order; both on the weight's device (no copy to the host). Valid for ``weight`` while its
+    version counter is ``version`` (`seal`): a write since makes them stale.
     """
 
     positions: torch.Tensor
@@ -121,7 +121,7 @@ def pruned_values(weight: torch.Tensor, mask: torch.Tensor) -> PrunedValues | No
     values = weight[positions]
     if values.numel() == 0:
         return None
-    return PrunedValues(pack_bits(positions).cpu(), values.cpu())
+    return PrunedValues(pack_bits(positions), values)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

@@ -23,7 +23,12 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.
 4. **masks or tensors change** (`changed`; `rebind`: a parameter or mask replaced by
    ``load_state_dict(assign=True)``, ``setattr``, ``to_empty`` or ``.to()``): `version` moves, so
-   the next `sync` prunes gradients and state with the masks as they are then.
+   the next `sync` prunes gradients and state with the masks as they are then. Nothing reads a
+   tensor kept across a move: a gradient hook whose mask was replaced leaves the gradient to
+   `sync`, and the tensors from before are let go at the next `rebind` (the next step, or
+   ``apply(optimizer)``, which Lightning runs after it moved the model). A mask that came to
+   another device is taken as it is; ``to_empty`` gets a mask's values back on the same device,
+   or from the weights when the mask was on the meta device.
 5. **a model state dict loads** (`before_model_load`, `after_model_load`): the weights are pruned
    at once; an earlier version's ``*_mask`` entries become the masks; the values pruning zeroed are
    kept (``unpruned``) until the next step, for a sparsity state loaded next.
@@ -123,6 +128,7 @@ class StepHooks:
     ) -> None:
         """``pre``/``post`` as the optimizer's step hooks; its state is pruned now and after it
         loads a state dict."""
+        self.rebind()  # Lightning moves the model between `apply(model)` and this call
         key = id(optimizer)
         handles = [
             optimizer.register_step_pre_hook(_Hook(pre)),
@@ -172,9 +178,9 @@ class StepHooks:
     # ------------------------------------------------------------------ 1. backward
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def mask_grad(param: torch.Tensor) -> None:
-            grad, mask = param.grad, self._seen[name][1]
-            if grad is None or mask.device != grad.device:
-                return  # a moved mask (.to()): `sync` masks this gradient once it is followed
+            grad, sp, mask = param.grad, self.sparse_params.get(name), self._seen[name][1]
+            if grad is None or sp is None or sp.module._buffers.get(sp.mask_name) is not mask:
+                return  # replaced since (``.to()``, ``to_empty``): `sync` masks it, followed
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
                 zero_pruned_(grad, mask | grad.isfinite())
             else:
@@ -286,10 +292,11 @@ class StepHooks:
         param = sp.param
         if known.is_meta:
             sp.register_mask(self.initial_mask(sp.name, param.detach()).to(param.device))
-        elif (
-            current is None or current.is_meta or not torch.equal(known.to(current.device), current)
-        ):
+        elif current is None or current.is_meta:
             sp.register_mask(known.to(param.device))
+        elif current.device == known.device and not torch.equal(known, current):
+            sp.register_mask(known)  # ``to_empty`` on the same device: its values come back
+        # On another device the mask moved with the model (``.to()``): nothing to copy.
 
     # ------------------------------------------------------------------ 5. a model state loads
     def before_model_load(

@@ -42,7 +42,7 @@ from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
-from ..saved_state import Expected, check_state, saved_masks, saved_targets
+from ..saved_state import Expected, check_state, saved_ever_active, saved_masks, saved_targets
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
@@ -121,7 +121,6 @@ class SparsityAlgorithm(ABC):
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
         self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
-        self.ever_active: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, dict[str, torch.Tensor]] = {}
         self.unlogged_update = False
         self.last_update_step = -1
@@ -341,7 +340,7 @@ class SparsityAlgorithm(ABC):
             for sp in sps:
                 sp.prune_()
                 if self.track_itop:
-                    self.ever_active[sp.name] = sp.mask.clone()
+                    sp.register_ever_active(sp.mask.clone())
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
@@ -420,10 +419,15 @@ class SparsityAlgorithm(ABC):
                 p.grad = full(param.grad) if param.grad is not None else None
             self._current = name
             flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
-            view, mask = (as_out_in(p), full(sp.mask).t()) if flip else (p, full(sp.mask))
-            new = self.update_mask(view, mask, targets[name])
+            new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), targets[name])
             masks[name] = shard_like(new.t().contiguous() if flip else new, param)
         return masks
+
+    def rule_view(self, name: str) -> torch.Tensor:
+        """The mask of ``name`` as ``update_mask`` sees it: whole (a shard gathered), and
+        ``[out, in]`` for a parameter stored ``[in, out]``."""
+        mask = full(self.sparse_params[name].mask)
+        return mask.t() if name in self.in_out_params else mask
 
     def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
         """Copy ``masks`` into the mask buffers, prune the weights, record ``dropped`` /
@@ -440,7 +444,7 @@ class SparsityAlgorithm(ABC):
                 }
                 old.copy_(mask)
                 sp.prune_()
-                ever = self.ever_active.get(name)
+                ever = sp.ever_active
                 if ever is not None:
                     ever |= mask
                     stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
@@ -467,6 +471,13 @@ class SparsityAlgorithm(ABC):
     def overall_sparsity(self) -> tuple[float, torch.Tensor]:
         """(target, actual) over the sparse parameters, weighted by size (actual: 0-d tensor)."""
         return report.overall_sparsity(self.sparse_params, self.mask_target)
+
+    @property
+    def ever_active(self) -> dict[str, torch.Tensor]:
+        """``{name: bool mask}`` of the positions ever kept (ITOP; empty unless ``track_itop``):
+        ``<param>_ever_active`` buffers, so they follow the model's device."""
+        found = ((name, sp.ever_active) for name, sp in self.sparse_params.items())
+        return {name: ever for name, ever in found if ever is not None}
 
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
@@ -512,8 +523,8 @@ class SparsityAlgorithm(ABC):
             "masks": {name: pack_bits(full(sp.mask)).cpu() for name, sp in params.items()},
             "removed": self.removed,
         }
-        if self.ever_active:
-            state["ever_active"] = {n: m.clone() for n, m in self.ever_active.items()}
+        if ever := self.ever_active:  # packed like the masks: on the CPU, 1 bit per weight
+            state["ever_active"] = {n: pack_bits(full(m)).cpu() for n, m in ever.items()}
         return state
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
@@ -545,9 +556,10 @@ class SparsityAlgorithm(ABC):
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
         self.seed = state.get("seed", self.seed)
-        for name, mask in state.get("ever_active", {}).items():
-            if name in self.ever_active:
-                self.ever_active[name].copy_(mask)
+        ever = self.ever_active
+        for name, mask in saved_ever_active(state).items():
+            if name in ever:
+                ever[name].copy_(shard_like(mask.to(ever[name].device), ever[name]))
         unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
         with torch.no_grad():
             for name, sp in self.sparse_params.items():

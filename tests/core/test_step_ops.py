@@ -1,0 +1,77 @@
+"""The per-step path at GPU cost, held on the CPU: kernel launches and host syncs of a step
+(`benchmarks/step_ops.py`: the counting rules; `benchmarks/bench_step_ops.py`: the table).
+
+Counts are deterministic, so the tests pin what grows with the number of masked weights: two
+sizes of the same Llama (2 and 4 blocks: 14 and 28 masked weights) are compared.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.bench_step_ops import Loop, measure
+from benchmarks.step_ops import count
+from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
+
+DIM = 64
+SIZES = (1, 2)  # blocks: 7 and 14 masked weights
+
+
+@pytest.fixture(scope="module")
+def counts() -> dict[tuple[str, int], tuple[int, int, int]]:
+    """``(kind, blocks) -> (kernels, host syncs, masked weights)``."""
+    out = {}
+    for kind in ("dense", "static", "rigl", "rigl update"):
+        for layers in SIZES:
+            c, n = measure(kind, DIM, layers)
+            out[kind, layers] = (c.n_kernels, c.n_syncs, n)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["static", "rigl"])
+@pytest.mark.parametrize("layers", SIZES)
+def test_an_ordinary_step_makes_no_host_sync(counts, kind: str, layers: int) -> None:
+    assert counts[kind, layers][1] == 0
+
+
+@pytest.mark.parametrize("kind", ["static", "rigl"])
+def test_an_ordinary_step_adds_at_most_two_kernels_per_masked_weight(counts, kind: str) -> None:
+    """Today's line: the gradient hook's ``mul_`` and the weights' ``_foreach_mul_`` (int views
+    times bool masks: two dtypes, so CUDA loops over the tensors). The goal, a handful whatever
+    the number of weights, needs same-dtype multipliers and one pass over the gradients."""
+    for layers in SIZES:
+        kernels, _, n = counts[kind, layers]
+        assert kernels - counts["dense", layers][0] <= 2 * n
+
+
+def test_an_update_makes_one_host_sync_whatever_the_number_of_weights(counts) -> None:
+    """The rows' kept counts of every mask are read in one transfer (was: 2 per weight)."""
+    small, large = (counts["rigl update", layers] for layers in SIZES)
+    assert large[2] == 2 * small[2] > 0
+    assert small[1] == large[1] == 1
+
+
+def test_an_update_adds_a_bounded_number_of_kernels_per_weight(counts) -> None:
+    """Today's line (about 64 per weight at dim 64 and 256); the goal is about 8, with the
+    top-k over stacked weights of one shape."""
+    for layers in SIZES:
+        kernels, _, n = counts["rigl update", layers]
+        assert kernels - counts["dense", layers][0] <= 66 * n
+
+
+def test_the_counter_sees_a_host_read_and_a_sync() -> None:
+    t = torch.arange(4.0)
+    c = count(lambda: (int(t.sum()), t.tolist(), t[t > 1]))
+    assert c.syncs["_local_scalar_dense"] == 1 and c.syncs["tolist"] == 1
+    assert c.syncs["index"] == 1 and c.n_kernels >= 3
+
+
+def test_the_loop_trains_sparse(counts) -> None:
+    loop = Loop("rigl", DIM, 1)
+    for _ in range(5):
+        loop.step()
+    assert loop.sparsity is not None and loop.sparsity.last_update_step == 4
+    for sp in loop.sparsity.sparse_params.values():
+        assert int(sp.mask.sum()) == int(0.2 * sp.mask.numel())
+        assert torch.count_nonzero(sp.param.detach()[~sp.mask]) == 0

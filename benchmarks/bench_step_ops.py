@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from benchmarks.step_ops import Counts, count  # noqa: E402
+from benchmarks.step_ops import Counts, as_on_a_gpu, count  # noqa: E402
 from lightning_sparse import RigL, SparsityAlgorithm, Static  # noqa: E402
 from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
 
@@ -73,13 +73,14 @@ class Loop:
 
 def measure(kind: str, dim: int, layers: int) -> tuple[Counts, int]:
     """Counts of one step of ``kind`` after a few uncounted ones (state exists, masks synced)."""
-    loop = Loop(kind, dim, layers)
-    warmup = UPDATE_EVERY if kind == "rigl update" else UPDATE_EVERY + 1
-    for _ in range(warmup):
-        loop.step()
-    if kind == "rigl update":
-        assert loop.sparsity is not None and loop.sparsity.is_update_step()
-    counts = count(loop.step)
+    with as_on_a_gpu():  # the whole run: what is kept for the GPU's paths exists when counted
+        loop = Loop(kind, dim, layers)
+        warmup = UPDATE_EVERY if kind == "rigl update" else UPDATE_EVERY + 1
+        for _ in range(warmup):
+            loop.step()
+        if kind == "rigl update":
+            assert loop.sparsity is not None and loop.sparsity.is_update_step()
+        counts = count(loop.step)
     return counts, loop.masked
 
 

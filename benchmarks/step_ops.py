@@ -20,10 +20,11 @@ a `TorchDispatchMode` over a plain loop, and `bench_step_ops.py` and
   ``.tolist()``, ``.numpy()`` and ``.cpu()``, each a device-to-host copy on a GPU.
 
 What the CPU cannot show: ``.to(device)`` is a no-op on the CPU, so such copies are not seen
-(the package makes none on the step path). The CPU-only
-paths are switched off while counting, as they are on a GPU: the sampled top-k of long CPU rows
-(`mask_ops.HOST_SELECT_MIN`) and, by using fused AdamW (what `bench_gpu_step.py` runs), the held
-denominators of non-fused Adam on the CPU (`per_step.hold_denominators`).
+(the package makes none on the step path). While counting (`as_on_a_gpu`), the CPU takes the
+GPU's paths: no sampled top-k of long CPU rows (`mask_ops.HOST_SELECT_MIN`), the masks kept as
+integer multipliers for fused foreach ops (`masking.FUSED_FOREACH_DEVICES`); and fused AdamW
+(what `bench_gpu_step.py` runs) leaves out the held denominators of non-fused Adam on the CPU
+(`per_step.hold_denominators`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_sparse.core import mask_ops
+from lightning_sparse.core import mask_ops, masking
 
 aten = torch.ops.aten
 _ALLOCATIONS = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty}
@@ -129,13 +130,18 @@ class HostReads(TorchFunctionMode):
 
 @contextmanager
 def as_on_a_gpu() -> Iterator[None]:
-    """Switch off the CPU-only sampled top-k (`mask_ops.HOST_SELECT_MIN`) meanwhile."""
-    before = mask_ops.HOST_SELECT_MIN
+    """Meanwhile, the CPU takes the paths a GPU takes: no sampled top-k of long rows
+    (`mask_ops.HOST_SELECT_MIN`), masks kept as multipliers for fused foreach ops
+    (`masking.FUSED_FOREACH_DEVICES`)."""
+    before, had = mask_ops.HOST_SELECT_MIN, "cpu" in masking.FUSED_FOREACH_DEVICES
     mask_ops.HOST_SELECT_MIN = sys.maxsize
+    masking.FUSED_FOREACH_DEVICES.add("cpu")
     try:
         yield
     finally:
         mask_ops.HOST_SELECT_MIN = before
+        if not had:
+            masking.FUSED_FOREACH_DEVICES.discard("cpu")
 
 
 def count(fn: Callable[[], object]) -> Counts:

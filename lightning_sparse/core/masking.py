@@ -19,6 +19,8 @@ from .bitpack import pack_bits, unpack_bits
 from .sharding import full
 
 __all__ = [
+    "FUSED_FOREACH_DEVICES",
+    "Multipliers",
     "PrunedValues",
     "all_finite",
     "fill_pruned_foreach_",
@@ -85,6 +87,42 @@ def fill_pruned_foreach_(
     for dtype, (views, group_masks) in groups.items():
         k = int(torch.tensor(value, dtype=dtype).view(_BITS[dtype]))
         torch._foreach_add_(views, [~mask for mask in group_masks], alpha=k)
+
+
+# Devices where one `_foreach_mul_` over the bit views takes the fused path, which needs every
+# tensor in one dtype: there the masks are multiplied as kept 0/1 copies in the views' integer
+# dtype (`Multipliers`). On the CPU a foreach op is a loop over the tensors either way, so the
+# bool masks serve and cost no memory (`benchmarks/step_ops.py` counts as on a GPU).
+FUSED_FOREACH_DEVICES = {"cuda", "xpu", "hpu", "mps"}
+
+
+class Multipliers:
+    """The masks as 0/1 integer tensors of the bit views' dtype, made once per mask and dtype
+    and made again when the mask is replaced or written (its version counter).
+
+    A weight's bit view and a bool mask differ in dtype, and CUDA's ``_foreach_mul_`` then
+    loops over the tensors: a launch per tensor. With these it is one launch per chunk, for the
+    cost of an integer copy of each mask (the element size of the weight) on the device.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, torch.dtype], tuple[int, int, torch.Tensor]] = {}
+
+    def of(self, name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """What to multiply ``t``'s bit view by: ``mask`` itself, or its kept integer copy."""
+        bits = _BITS.get(t.dtype)
+        if bits is None or mask.device.type not in FUSED_FOREACH_DEVICES or _bits(t) is None:
+            return mask
+        key, now = (name, bits), (id(mask), mask._version)
+        kept = self._kept.get(key)
+        if kept is None or kept[:2] != now:
+            kept = (*now, mask.to(bits))
+            self._kept[key] = kept
+        return kept[2]
+
+    def forget(self, name: str | None = None) -> None:
+        """Drop the copies of ``name`` (all when None), e.g. a mask replaced by a move."""
+        self._kept = {k: v for k, v in self._kept.items() if name is not None and k[0] != name}
 
 
 @dataclass

@@ -48,6 +48,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .masking import (
+    Multipliers,
     PrunedValues,
     fill_pruned_foreach_,
     pruned_values,
@@ -87,6 +88,8 @@ class StepHooks:
         self._seen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}  # what each hook is on
         self._grad_hooks: dict[str, RemovableHandle] = {}
         self._masked: dict[str, tuple[weakref.ref, int]] = {}  # gradients masked: (grad, version)
+        self._arrived: dict[str, None] = {}  # gradients of this backward, to mask in one pass
+        self._multipliers = Multipliers()  # the masks in the bit views' dtype (fused foreach)
         # optimizer id -> (version, number of parameters with state) when its state was pruned
         self._synced: dict[int, tuple[int, int]] = {}
         self._opted_out: set[int] = set()  # optimizers with same-shape state `requires_dense`
@@ -117,6 +120,7 @@ class StepHooks:
             hook = _Hook(self._grad_hook(sp.name))
             self._grad_hooks[sp.name] = param.register_post_accumulate_grad_hook(hook)
         self._seen[sp.name] = (param, sp.mask)
+        self._multipliers.forget(sp.name)
 
     def guards(self, name: str, param: torch.Tensor) -> bool:
         """Whether ``name``'s gradient hook is on this very ``param`` (its gradient is then
@@ -173,6 +177,8 @@ class StepHooks:
         for handle in [*self._grad_hooks.values(), *self._load_hooks]:
             handle.remove()
         self._grad_hooks, self._load_hooks, self._seen, self._masked = {}, [], {}, {}
+        self._arrived = {}
+        self._multipliers.forget()
         self.incoming, self.unpruned = {}, {}
 
     # ------------------------------------------------------------------ 1. backward
@@ -183,11 +189,25 @@ class StepHooks:
                 return  # replaced since (``.to()``, ``to_empty``): `sync` masks it, followed
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
                 zero_pruned_(grad, mask | grad.isfinite())
-            else:
-                zero_pruned_(grad, mask)
-                self._masked[name] = (weakref.ref(grad), grad._version)
+                return
+            self._arrived[name] = None
+            if len(self._arrived) == len(self._grad_hooks):  # the last one: one pass for all
+                self._mask_arrived()
 
         return mask_grad
+
+    def _mask_arrived(self) -> None:
+        """Mask the gradients whose hooks fired since the last pass, in one foreach pass."""
+        names, self._arrived = self._arrived, {}
+        sps = [self.sparse_params[n] for n in names if n in self.sparse_params]
+        grads = [(sp, grad) for sp in sps if (grad := sp.param.grad) is not None]
+        zero_pruned_foreach_([grad for _, grad in grads], self._masks_for(grads))
+        for sp, grad in grads:
+            self._masked[sp.name] = (weakref.ref(grad), grad._version)
+
+    def _masks_for(self, pairs: list[tuple[SparseParameter, torch.Tensor]]) -> list[torch.Tensor]:
+        """What to multiply each tensor's bit view by (`masking.Multipliers`)."""
+        return [self._multipliers.of(sp.name, t, sp.mask) for sp, t in pairs]
 
     # ------------------------------------------------------------------ 2. before the step
     def start_step(self) -> None:
@@ -206,6 +226,7 @@ class StepHooks:
         since ``optimizer``'s last step (or ``force``), its same-shape state. A change: masks or
         parameters (`version`), its state loaded, or state added for another parameter."""
         self._release(id(optimizer))  # a step that began but never finished (an error)
+        self._arrived = {}  # a backward that reached only some of them: masked here
         sps = self.params_of(optimizer)
         now = (self.version, len(optimizer.state))
         changed = force or self._synced.get(id(optimizer)) != now
@@ -214,8 +235,8 @@ class StepHooks:
             for sp in sps
             if (grad := sp.param.grad) is not None and (changed or not self._hook_masked(sp, grad))
         ]
-        tensors = [sp.param for sp in sps] + [grad for _, grad in grads]
-        zero_pruned_foreach_(tensors, [sp.mask for sp in sps] + [sp.mask for sp, _ in grads])
+        pairs = [(sp, sp.param) for sp in sps] + grads
+        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
         for sp, grad in grads:
             self._masked[sp.name] = (weakref.ref(grad), grad._version)
         if changed:
@@ -257,7 +278,8 @@ class StepHooks:
         if state_keeps_zero(optimizer) and id(optimizer) not in self._opted_out:
             return
         sps = self.params_of(optimizer)
-        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        pairs = [(sp, sp.param) for sp in sps]
+        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
         self._prune_state(optimizer, sps)
 
     # ------------------------------------------------------------------ 4. masks, tensors change

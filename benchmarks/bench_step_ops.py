@@ -11,7 +11,8 @@ few steps; one step of each kind is counted:
 
 Printed: kernels and host syncs per step, the difference to dense, that difference per masked
 weight, and (``--ops``) the ops behind each difference. Two sizes (``--layers``) show what grows
-with the number of masked weights.
+with the number of masked weights: the last line gives the kernels each further masked weight
+adds (the rest is per shape or per step).
 
     python benchmarks/bench_step_ops.py [--dim 256] [--layers 2 4] [--ops]
 """
@@ -84,7 +85,10 @@ def measure(kind: str, dim: int, layers: int) -> tuple[Counts, int]:
     return counts, loop.masked
 
 
-def table(dim: int, layers: int, show_ops: bool, out: Callable[[str], None] = print) -> None:
+Results = dict[str, tuple[Counts, int]]
+
+
+def table(dim: int, layers: int, show_ops: bool, out: Callable[[str], None] = print) -> Results:
     results = {kind: measure(kind, dim, layers) for kind in KINDS}
     dense = results["dense"][0]
     masked = results["static"][1]
@@ -106,6 +110,18 @@ def table(dim: int, layers: int, show_ops: bool, out: Callable[[str], None] = pr
             out(f"    kernels: {ops}")
             if counts.syncs:
                 out(f"    syncs: {dict(counts.syncs)}")
+    return results
+
+
+def marginal(small: Results, large: Results) -> str:
+    """Kernels each further masked weight adds, per kind, between two sizes."""
+    dense = large["dense"][0].n_kernels - small["dense"][0].n_kernels
+    n = large["static"][1] - small["static"][1]
+    parts = []
+    for kind in KINDS[1:]:
+        grown = large[kind][0].n_kernels - small[kind][0].n_kernels - dense
+        parts.append(f"{kind} {grown / n:.2f}")
+    return "kernels per further masked weight: " + ", ".join(parts)
 
 
 def main() -> None:
@@ -115,9 +131,12 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="list the ops behind each difference")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    runs = []
     for layers in args.layers:
-        table(args.dim, layers, args.ops)
+        runs.append(table(args.dim, layers, args.ops))
         print()
+    if len(runs) > 1:
+        print(marginal(runs[0], runs[-1]))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ __all__ = [
     "Multipliers",
     "PrunedValues",
     "all_finite",
+    "finite",
     "fill_pruned_foreach_",
     "pruned_values",
     "zero_pruned_",
@@ -35,6 +36,25 @@ _BITS = {
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
 }
+
+
+# The exponent bits of each float dtype: all set means inf or NaN.
+_EXPONENT = {
+    torch.float32: 0x7F800000,
+    torch.float64: 0x7FF0000000000000,
+    torch.float16: 0x7C00,
+    torch.bfloat16: 0x7F80,
+}
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """``t.isfinite()``, as two integer ops on the bit view where there is one (``isfinite``
+    is several kernels on a GPU: ``abs``, two comparisons, ``and``)."""
+    bits = _bits(t)
+    if bits is None:
+        return t.isfinite()
+    exponent = _EXPONENT[t.dtype]
+    return (bits & exponent) != exponent
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:

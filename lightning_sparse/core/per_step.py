@@ -47,10 +47,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import held
 from .masking import (
     Multipliers,
     PrunedValues,
     fill_pruned_foreach_,
+    finite,
     pruned_values,
     zero_pruned_,
     zero_pruned_foreach_,
@@ -188,7 +190,7 @@ class StepHooks:
             if grad is None or sp is None or sp.module._buffers.get(sp.mask_name) is not mask:
                 return  # replaced since (``.to()``, ``to_empty``): `sync` masks it, followed
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
-                zero_pruned_(grad, mask | grad.isfinite())
+                zero_pruned_(grad, mask | finite(grad))
                 return
             self._arrived[name] = None
             if len(self._arrived) == len(self._grad_hooks):  # the last one: one pass for all
@@ -243,13 +245,27 @@ class StepHooks:
             self._prune_state(optimizer, sps)
             self._synced[id(optimizer)] = now
 
+    def prune(self, sps: list[SparseParameter]) -> None:
+        """Prune the weights of ``sps`` now (masks changed): one pass, and each weight held
+        elsewhere (`held`) has its holder follow its mask."""
+        for sp in sps:
+            self._multipliers.forget(sp.name)  # the masks were just written
+        plain = [(sp, sp.param) for sp in sps if held.holder_of(sp.param) is None]
+        zero_pruned_foreach_([t for _, t in plain], self._masks_for(plain))
+        for sp in sps:
+            if held.holder_of(sp.param) is not None:
+                sp.prune_()
+
     def _hook_masked(self, sp: SparseParameter, grad: torch.Tensor) -> bool:
         seen = self._masked.get(sp.name)
         return seen is not None and seen[0]() is grad and seen[1] == grad._version
 
     def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
         tensors, masks, opted_out = same_shape_state(optimizer, sps)
-        zero_pruned_foreach_(tensors, masks)
+        of = {id(sp.mask): sp for sp in sps}
+        zero_pruned_foreach_(
+            tensors, self._masks_for([(of[id(m)], t) for t, m in zip(tensors, masks, strict=True)])
+        )
         if opted_out:  # such state moves pruned weights: `after_step` prunes them again
             self._opted_out.add(id(optimizer))
         else:

@@ -38,6 +38,7 @@ from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
 from ..layouts import as_out_in, is_in_out
+from ..mask_batches import by_key, update_figures
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
@@ -410,18 +411,21 @@ class SparsityAlgorithm(ABC):
         gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
         masks = {}
         for name, sp in self.sparse_params.items():
-            param = sp.param
-            if not param.requires_grad:  # frozen (PEFT base weights): a fixed mask
-                continue
-            p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
-            if is_sharded(param):
-                p = full(param.detach())
-                p.grad = full(param.grad) if param.grad is not None else None
-            self._current = name
-            flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
-            new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), targets[name])
-            masks[name] = shard_like(new.t().contiguous() if flip else new, param)
+            if sp.param.requires_grad:  # frozen (PEFT base weights): a fixed mask
+                masks[name] = self.mask_of(name, targets[name])
         return masks
+
+    def mask_of(self, name: str, target: float) -> torch.Tensor:
+        """``name``'s new mask by ``update_mask`` at sparsity ``target``."""
+        param = self.sparse_params[name].param
+        p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
+        if is_sharded(param):
+            p = full(param.detach())
+            p.grad = full(param.grad) if param.grad is not None else None
+        self._current = name
+        flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+        new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), target)
+        return shard_like(new.t().contiguous() if flip else new, param)
 
     def rule_view(self, name: str) -> torch.Tensor:
         """The mask of ``name`` as ``update_mask`` sees it: whole (a shard gathered), and
@@ -435,25 +439,64 @@ class SparsityAlgorithm(ABC):
         the observers; gradients and optimizer state are pruned again before the step."""
         stats: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
-            for name, mask in masks.items():
-                sp = self.sparse_params[name]
-                old = sp.mask
-                stats[name] = {
-                    "dropped": full((old & ~mask).count_nonzero()),
-                    "grown": full((mask & ~old).count_nonzero()),
-                }
-                old.copy_(mask)
-                sp.prune_()
-                ever = sp.ever_active
-                if ever is not None:
-                    ever |= mask
-                    stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
-                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+            keys = {n: self._stack_key(n, m) for n, m in masks.items()}
+            for names in by_key(keys):
+                if keys[names[0]] == (names[0],):
+                    self._install_one(names[0], masks[names[0]], stats)
+                else:
+                    self._install_stacked(names, masks, stats)
+            self.hooks.prune([self.sparse_params[n] for n in masks])  # one pass
         self.last_update, self.unlogged_update = stats, True
         self.mask_targets.update({n: targets[n] for n in masks})
         self.hooks.changed()
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
         self.observers.emit_update(self, self.step, stats)
+
+    def _stack_key(self, name: str, mask: torch.Tensor) -> tuple[Any, ...]:
+        """Masks installed together share this key: shape, device, ITOP; a sharded one alone."""
+        sp = self.sparse_params[name]
+        if is_sharded(sp.mask) or is_sharded(mask):
+            return (name,)
+        return (tuple(mask.shape), mask.device, sp.ever_active is not None)
+
+    def _install_one(self, name: str, mask: torch.Tensor, stats: dict[str, dict]) -> None:
+        """Install the new ``mask`` of ``name`` alone (a sharded one)."""
+        sp = self.sparse_params[name]
+        old = sp.mask
+        stats[name] = {
+            "dropped": full((old & ~mask).count_nonzero()),
+            "grown": full((mask & ~old).count_nonzero()),
+        }
+        old.copy_(mask)
+        ever = sp.ever_active
+        if ever is not None:
+            ever |= mask
+            stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
+        stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+
+    def _install_stacked(
+        self, names: list[str], masks: dict[str, torch.Tensor], stats: dict[str, dict]
+    ) -> None:
+        """Install the new ``masks`` of ``names`` (one `_stack_key`): their figures over the
+        stacked masks (`mask_batches.update_figures`) and one fused copy."""
+        sps = [self.sparse_params[n] for n in names]
+        new = [masks[n] for n in names]
+        evers = [sp.ever_active for sp in sps]
+        tracked = [e for e in evers if e is not None]
+        figures = update_figures(
+            torch.stack([full(sp.mask) for sp in sps]),
+            torch.stack([full(m) for m in new]),
+            tracked if tracked else None,
+        )
+        torch._foreach_copy_([sp.mask for sp in sps], new)
+        numel = new[0].numel()
+        sparsity = 1.0 - figures.kept / numel
+        itop = figures.ever / numel if figures.ever is not None else None
+        for i, name in enumerate(names):
+            stats[name] = {"dropped": figures.dropped[i], "grown": figures.grown[i]}
+            if itop is not None:
+                stats[name]["itop"] = itop[i]
+            stats[name]["sparsity"] = sparsity[i]
 
     def name_of(self, p: torch.Tensor) -> str:
         """Full name of the parameter ``update_mask`` is working on."""

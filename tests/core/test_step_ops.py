@@ -14,6 +14,8 @@ import torch
 
 from benchmarks.bench_step_ops import Loop, measure
 from benchmarks.step_ops import as_on_a_gpu, count
+from lightning_sparse.core import flops
+from lightning_sparse.core.report import sparsity_report
 from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
 
 DIM = 64
@@ -98,3 +100,17 @@ def test_the_loop_trains_sparse(counts) -> None:
     for sp in loop.sparsity.sparse_params.values():
         assert int(sp.mask.sum()) == int(0.2 * sp.mask.numel())
         assert torch.count_nonzero(sp.param.detach()[~sp.mask]) == 0
+
+
+@pytest.mark.parametrize("layers", SIZES)
+def test_reports_after_an_update_read_the_counts_in_one_transfer(layers: int) -> None:
+    """`SparseRunSummary` and the FLOP meter count every mask after an update
+    (`sparsity_report`, `flops`): one host transfer, not one ``int(count_nonzero)`` per mask."""
+    loop = Loop("rigl", DIM, layers)
+    report = count(lambda: sparsity_report(loop.model, masked_only=True))
+    kept = count(lambda: flops._kept_by_param(loop.model, {}))
+    assert report.n_syncs == kept.n_syncs == 1, (dict(report.syncs), dict(kept.syncs))
+    rows = sparsity_report(loop.model, masked_only=True).rows
+    assert loop.sparsity is not None and len(rows) == len(loop.sparsity.sparse_params)
+    for name, sp in loop.sparsity.sparse_params.items():
+        assert rows[name]["nonzeros"] == int(sp.mask.sum()) == int(0.2 * sp.mask.numel())

@@ -9,6 +9,7 @@ closures; the model and the optimizer excepted, which own theirs) must be on it 
 
 from __future__ import annotations
 
+import contextlib
 import types
 from collections.abc import Iterator
 
@@ -16,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks.step_ops import as_on_a_gpu
 from lightning_sparse import core
 from lightning_sparse.core.algorithms.registry import available_algorithms
 from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
@@ -120,19 +122,26 @@ def test_lightning_order_apply_then_move_then_optimizer_holds_nothing_behind(nam
         assert sp.mask.is_meta and all(e.is_meta for e in sparsity.ever_active.values())
 
 
+@pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu-path", "gpu-path"])
 @pytest.mark.parametrize("name", registered())
-def test_move_after_training_holds_nothing_behind_after_the_next_step(name: str) -> None:
+def test_move_after_training_holds_nothing_behind_after_the_next_step(
+    name: str, gpu_path: bool
+) -> None:
     """Trained on the CPU (updates included), moved, one more step (on the meta device): the
-    old tensors are let go. ``last_update`` is the record of the update that ran, on the CPU, and
-    is read once for logging; it is not state, so it stays where it was made."""
-    net, sparsity = model(), make(name)
-    net.apply(sparsity)
-    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # no state: it steps on any device
-    sparsity.apply(optimizer)
-    train(net, optimizer, 5)
-    assert sparsity.step == 5
-    net.to("meta")
-    train(net, optimizer, 1)
+    old tensors are let go, the GPU path's kept multipliers (`masking.Multipliers`) included.
+    ``last_update`` is the record of the update that ran, on the CPU, and is read once for
+    logging; it is not state, so it stays where it was made."""
+    with as_on_a_gpu() if gpu_path else contextlib.nullcontext():
+        net, sparsity = model(), make(name)
+        net.apply(sparsity)
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # no state: steps on any device
+        sparsity.apply(optimizer)
+        train(net, optimizer, 5)
+        assert sparsity.step == 5
+        kept = [t for w, t in held_tensors(sparsity) if "_multipliers" in w]
+        assert bool(kept) == gpu_path
+        net.to("meta")
+        train(net, optimizer, 1)
     sparsity.last_update = {}
     assert off_device(sparsity, "meta") == [], name
 

@@ -9,7 +9,7 @@ over tensors; `algorithms.drop_grow` and `algorithms.base` plan and install with
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +17,7 @@ import torch
 __all__ = ["UpdateFigures", "by_key", "drop_count", "update_figures"]
 
 
-def by_key(keys: dict[str, Hashable]) -> list[list[str]]:
+def by_key(keys: Mapping[str, Hashable]) -> list[list[str]]:
     """Names grouped by equal keys, in first-seen order (each group keeps the names' order)."""
     groups: dict[Hashable, list[str]] = {}
     for name, key in keys.items():

@@ -40,7 +40,7 @@ and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorit
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -207,7 +207,9 @@ class StepHooks:
         for sp, grad in grads:
             self._masked[sp.name] = (weakref.ref(grad), grad._version)
 
-    def _masks_for(self, pairs: list[tuple[SparseParameter, torch.Tensor]]) -> list[torch.Tensor]:
+    def _masks_for(
+        self, pairs: Sequence[tuple[SparseParameter, torch.Tensor]]
+    ) -> list[torch.Tensor]:
         """What to multiply each tensor's bit view by (`masking.Multipliers`)."""
         return [self._multipliers.of(sp.name, t, sp.mask) for sp, t in pairs]
 

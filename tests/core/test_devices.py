@@ -76,17 +76,20 @@ def off_device(obj: object, device: str) -> list[str]:
     return [f"{where}: {t.device}" for where, t in held_tensors(obj) if t.device.type != device]
 
 
-def model() -> nn.Module:
+def model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 3)
     )
 
 
-def train(net: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> None:
+def train(net: nn.Sequential, optimizer: torch.optim.Optimizer, steps: int) -> None:
     for step in range(steps):
         x = torch.randn(
-            4, 6, generator=torch.Generator().manual_seed(step), device=net[0].weight.device
+            4,
+            6,
+            generator=torch.Generator().manual_seed(step),
+            device=next(net.parameters()).device,
         )
         net(x).square().mean().backward()
         optimizer.step()

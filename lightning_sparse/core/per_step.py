@@ -5,10 +5,11 @@ A mask is the bool buffer ``<param>_mask`` (True = kept) on the module that owns
 state tensor of the parameter's shape at exactly 0 (`masking`: NaN/inf included) after every
 optimizer step, through official PyTorch hooks only. The moments, one method each:
 
-1. **backward** (`_grad_hook`, a post-accumulate-grad hook per parameter): the gradient is masked
-   as it is produced, so AMP's finiteness check and a plain loop's ``clip_grad_norm_`` see it
-   masked. When this step's update reads the dense gradient (RigL, GraNet) only its non-finite
-   pruned entries are zeroed.
+1. **backward** (`_grad_hook`, a post-accumulate-grad hook per parameter): the gradients are
+   masked in one pass when the last of a backward arrives (each in its own hook under
+   ``torch.distributed``, which reduces each as it comes), so AMP's finiteness check and a plain
+   loop's ``clip_grad_norm_`` see them masked. When this step's update reads the dense gradient
+   (RigL, GraNet) only its non-finite pruned entries are zeroed.
 2. **before** ``optimizer.step()`` (`sync`): one fused pass over the weights, whatever wrote them
    (``.data``, re-initialisation, a load), so weight decay never carries a pruned weight into the
    state; the gradients the hook did not mask (``p.grad = g``, the dense gradient of an update);
@@ -192,6 +193,10 @@ class StepHooks:
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
                 zero_pruned_(grad, mask | finite(grad))
                 return
+            if _distributed():  # DDP / FSDP reduce each gradient as soon as it is produced
+                zero_pruned_(grad, mask)
+                self._masked[name] = (weakref.ref(grad), grad._version)
+                return
             self._arrived[name] = None
             if len(self._arrived) == len(self._grad_hooks):  # the last one: one pass for all
                 self._mask_arrived()
@@ -366,6 +371,14 @@ class StepHooks:
                 if name in self.unpruned:
                     self.unpruned[name].seal(sp.param, local(sp.param)._version)
         self.changed()
+
+
+def _distributed() -> bool:
+    """Whether this process trains under ``torch.distributed``: DDP copies each gradient into
+    its bucket, and FSDP reduce-scatters a module's, as backward produces them, so each must be
+    masked in its own hook, before the copy (one launch per weight), not in one pass after the
+    last."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class _Hook:

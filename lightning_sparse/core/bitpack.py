@@ -14,7 +14,12 @@ import torch
 
 __all__ = ["pack_bits", "packed_size", "unpack_bits"]
 
-_WEIGHTS = (128, 64, 32, 16, 8, 4, 2, 1)  # bit value of positions 0..7 in a byte
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """``uint8[8]``: the bit value of positions 0..7 in a byte (128 ... 1), made on ``device``
+    (a ``torch.tensor`` of Python numbers would be a blocking host-to-device copy per call)."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=device)
+    return torch.ones(8, dtype=torch.uint8, device=device).bitwise_left_shift_(shifts)
 
 
 def packed_size(numel: int) -> int:
@@ -34,8 +39,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
     flat = mask.reshape(-1)
     pad = packed_size(flat.numel()) * 8 - flat.numel()
     bits = torch.cat([flat, flat.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
-    weights = torch.tensor(_WEIGHTS, dtype=torch.uint8, device=mask.device)
-    return (bits * weights).sum(dim=1, dtype=torch.uint8)
+    return (bits * _weights(mask.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -66,8 +70,7 @@ def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
             f"packed mask has {packed.numel()} bytes but shape {shape} ({numel} elements) needs "
             f"{expected}"
         )
-    weights = torch.tensor(_WEIGHTS, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(1) & weights).ne(0).reshape(-1)
+    bits = (packed.unsqueeze(1) & _weights(packed.device)).ne(0).reshape(-1)
     if bool(bits[numel:].any()):
         raise ValueError(
             f"packed mask for shape {shape} has bits set after its {numel} elements; it is "

@@ -39,6 +39,7 @@ from torch import nn
 from . import validate
 from .flop_account import FlopReport, check_count, report_from_matrices
 from .layouts import is_hf_conv1d
+from .report import host_counts
 from .sparse_parameter import mask_buffer_name
 
 __all__ = [
@@ -319,6 +320,7 @@ def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int,
     """
     named = dict(model.named_parameters(remove_duplicate=False))
     kept: dict[int, int] = {}
+    masked: dict[int, torch.Tensor] = {}  # counted together: one host transfer
     for name, value in sparsity.items():
         if name not in named:
             raise ValueError(
@@ -329,7 +331,7 @@ def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int,
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             mask = getattr(module, mask_buffer_name(param_name), None)
-            if not isinstance(mask, torch.Tensor) or id(param) in kept:
+            if not isinstance(mask, torch.Tensor) or id(param) in kept or id(param) in masked:
                 continue
             if mask.is_meta:
                 name = f"{module_name}.{param_name}".lstrip(".")
@@ -337,7 +339,8 @@ def _kept_by_param(model: nn.Module, sparsity: Mapping[str, float]) -> dict[int,
                     f"the mask of {name!r} is on the meta device, so its nonzeros "
                     f"cannot be counted; pass sparsity={{{name!r}: <sparsity>}}."
                 )
-            kept[id(param)] = int(torch.count_nonzero(mask))
+            masked[id(param)] = mask
+    kept.update(zip(masked, host_counts(list(masked.values())), strict=True))
     return kept
 
 

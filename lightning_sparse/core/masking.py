@@ -19,8 +19,11 @@ from .bitpack import pack_bits, unpack_bits
 from .sharding import full
 
 __all__ = [
+    "FUSED_FOREACH_DEVICES",
+    "Multipliers",
     "PrunedValues",
     "all_finite",
+    "finite",
     "fill_pruned_foreach_",
     "pruned_values",
     "zero_pruned_",
@@ -33,6 +36,25 @@ _BITS = {
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
 }
+
+
+# The exponent bits of each float dtype: all set means inf or NaN.
+_EXPONENT = {
+    torch.float32: 0x7F800000,
+    torch.float64: 0x7FF0000000000000,
+    torch.float16: 0x7C00,
+    torch.bfloat16: 0x7F80,
+}
+
+
+def finite(t: torch.Tensor) -> torch.Tensor:
+    """``t.isfinite()``, as two integer ops on the bit view where there is one (``isfinite``
+    is several kernels on a GPU: ``abs``, two comparisons, ``and``)."""
+    bits = _bits(t)
+    if bits is None:
+        return t.isfinite()
+    exponent = _EXPONENT[t.dtype]
+    return (bits & exponent) != exponent
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor | None:
@@ -87,13 +109,49 @@ def fill_pruned_foreach_(
         torch._foreach_add_(views, [~mask for mask in group_masks], alpha=k)
 
 
+# Devices where one `_foreach_mul_` over the bit views takes the fused path, which needs every
+# tensor in one dtype: there the masks are multiplied as kept 0/1 copies in the views' integer
+# dtype (`Multipliers`). On the CPU a foreach op is a loop over the tensors either way, so the
+# bool masks serve and cost no memory (`benchmarks/step_ops.py` counts as on a GPU).
+FUSED_FOREACH_DEVICES = {"cuda", "xpu", "hpu", "mps"}
+
+
+class Multipliers:
+    """The masks as 0/1 integer tensors of the bit views' dtype, made once per mask and dtype
+    and made again when the mask is replaced or written (its version counter).
+
+    A weight's bit view and a bool mask differ in dtype, and CUDA's ``_foreach_mul_`` then
+    loops over the tensors: a launch per tensor. With these it is one launch per chunk, for the
+    cost of an integer copy of each mask (the element size of the weight) on the device.
+    """
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, torch.dtype], tuple[int, int, torch.Tensor]] = {}
+
+    def of(self, name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """What to multiply ``t``'s bit view by: ``mask`` itself, or its kept integer copy."""
+        bits = _BITS.get(t.dtype)
+        if bits is None or mask.device.type not in FUSED_FOREACH_DEVICES or _bits(t) is None:
+            return mask
+        key, now = (name, bits), (id(mask), mask._version)
+        kept = self._kept.get(key)
+        if kept is None or kept[:2] != now:
+            kept = (*now, mask.to(bits))
+            self._kept[key] = kept
+        return kept[2]
+
+    def forget(self, name: str | None = None) -> None:
+        """Drop the copies of ``name`` (all when None), e.g. a mask replaced by a move."""
+        self._kept = {k: v for k, v in self._kept.items() if name is not None and k[0] != name}
+
+
 @dataclass
 class PrunedValues:
     """Values pruning zeroed in a weight, to put back if the masks change before it is written.
 
     ``positions``: packed bits (`bitpack`) of the zeroed positions; ``values``: their values in
-    order; both on the CPU. Valid for ``weight`` while its version counter is ``version``
-    (`seal`): a write since makes them stale.
+    order; both on the weight's device (no copy to the host). Valid for ``weight`` while its
+    version counter is ``version`` (`seal`): a write since makes them stale.
     """
 
     positions: torch.Tensor
@@ -121,7 +179,7 @@ def pruned_values(weight: torch.Tensor, mask: torch.Tensor) -> PrunedValues | No
     values = weight[positions]
     if values.numel() == 0:
         return None
-    return PrunedValues(pack_bits(positions).cpu(), values.cpu())
+    return PrunedValues(pack_bits(positions), values)
 
 
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:

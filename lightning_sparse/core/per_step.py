@@ -5,10 +5,11 @@ A mask is the bool buffer ``<param>_mask`` (True = kept) on the module that owns
 state tensor of the parameter's shape at exactly 0 (`masking`: NaN/inf included) after every
 optimizer step, through official PyTorch hooks only. The moments, one method each:
 
-1. **backward** (`_grad_hook`, a post-accumulate-grad hook per parameter): the gradient is masked
-   as it is produced, so AMP's finiteness check and a plain loop's ``clip_grad_norm_`` see it
-   masked. When this step's update reads the dense gradient (RigL, GraNet) only its non-finite
-   pruned entries are zeroed.
+1. **backward** (`_grad_hook`, a post-accumulate-grad hook per parameter): the gradients are
+   masked in one pass when the last of a backward arrives (each in its own hook under
+   ``torch.distributed``, which reduces each as it comes), so AMP's finiteness check and a plain
+   loop's ``clip_grad_norm_`` see them masked. When this step's update reads the dense gradient
+   (RigL, GraNet) only its non-finite pruned entries are zeroed.
 2. **before** ``optimizer.step()`` (`sync`): one fused pass over the weights, whatever wrote them
    (``.data``, re-initialisation, a load), so weight decay never carries a pruned weight into the
    state; the gradients the hook did not mask (``p.grad = g``, the dense gradient of an update);
@@ -23,7 +24,12 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.
 4. **masks or tensors change** (`changed`; `rebind`: a parameter or mask replaced by
    ``load_state_dict(assign=True)``, ``setattr``, ``to_empty`` or ``.to()``): `version` moves, so
-   the next `sync` prunes gradients and state with the masks as they are then.
+   the next `sync` prunes gradients and state with the masks as they are then. Nothing reads a
+   tensor kept across a move: a gradient hook whose mask was replaced leaves the gradient to
+   `sync`, and the tensors from before are let go at the next `rebind` (the next step, or
+   ``apply(optimizer)``, which Lightning runs after it moved the model). A mask that came to
+   another device is taken as it is; ``to_empty`` gets a mask's values back on the same device,
+   or from the weights when the mask was on the meta device.
 5. **a model state dict loads** (`before_model_load`, `after_model_load`): the weights are pruned
    at once; an earlier version's ``*_mask`` entries become the masks; the values pruning zeroed are
    kept (``unpruned``) until the next step, for a sparsity state loaded next.
@@ -35,16 +41,19 @@ and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorit
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from . import held
 from .masking import (
+    Multipliers,
     PrunedValues,
     fill_pruned_foreach_,
+    finite,
     pruned_values,
     zero_pruned_,
     zero_pruned_foreach_,
@@ -82,6 +91,8 @@ class StepHooks:
         self._seen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}  # what each hook is on
         self._grad_hooks: dict[str, RemovableHandle] = {}
         self._masked: dict[str, tuple[weakref.ref, int]] = {}  # gradients masked: (grad, version)
+        self._arrived: dict[str, None] = {}  # gradients of this backward, to mask in one pass
+        self._multipliers = Multipliers()  # the masks in the bit views' dtype (fused foreach)
         # optimizer id -> (version, number of parameters with state) when its state was pruned
         self._synced: dict[int, tuple[int, int]] = {}
         self._opted_out: set[int] = set()  # optimizers with same-shape state `requires_dense`
@@ -112,6 +123,7 @@ class StepHooks:
             hook = _Hook(self._grad_hook(sp.name))
             self._grad_hooks[sp.name] = param.register_post_accumulate_grad_hook(hook)
         self._seen[sp.name] = (param, sp.mask)
+        self._multipliers.forget(sp.name)
 
     def guards(self, name: str, param: torch.Tensor) -> bool:
         """Whether ``name``'s gradient hook is on this very ``param`` (its gradient is then
@@ -123,6 +135,7 @@ class StepHooks:
     ) -> None:
         """``pre``/``post`` as the optimizer's step hooks; its state is pruned now and after it
         loads a state dict."""
+        self.rebind()  # Lightning moves the model between `apply(model)` and this call
         key = id(optimizer)
         handles = [
             optimizer.register_step_pre_hook(_Hook(pre)),
@@ -167,21 +180,43 @@ class StepHooks:
         for handle in [*self._grad_hooks.values(), *self._load_hooks]:
             handle.remove()
         self._grad_hooks, self._load_hooks, self._seen, self._masked = {}, [], {}, {}
+        self._arrived = {}
+        self._multipliers.forget()
         self.incoming, self.unpruned = {}, {}
 
     # ------------------------------------------------------------------ 1. backward
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def mask_grad(param: torch.Tensor) -> None:
-            grad, mask = param.grad, self._seen[name][1]
-            if grad is None or mask.device != grad.device:
-                return  # a moved mask (.to()): `sync` masks this gradient once it is followed
+            grad, sp, mask = param.grad, self.sparse_params.get(name), self._seen[name][1]
+            if grad is None or sp is None or sp.module._buffers.get(sp.mask_name) is not mask:
+                return  # replaced since (``.to()``, ``to_empty``): `sync` masks it, followed
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
-                zero_pruned_(grad, mask | grad.isfinite())
-            else:
+                zero_pruned_(grad, mask | finite(grad))
+                return
+            if _distributed():  # DDP / FSDP reduce each gradient as soon as it is produced
                 zero_pruned_(grad, mask)
                 self._masked[name] = (weakref.ref(grad), grad._version)
+                return
+            self._arrived[name] = None
+            if len(self._arrived) == len(self._grad_hooks):  # the last one: one pass for all
+                self._mask_arrived()
 
         return mask_grad
+
+    def _mask_arrived(self) -> None:
+        """Mask the gradients whose hooks fired since the last pass, in one foreach pass."""
+        names, self._arrived = self._arrived, {}
+        sps = [self.sparse_params[n] for n in names if n in self.sparse_params]
+        grads = [(sp, grad) for sp in sps if (grad := sp.param.grad) is not None]
+        zero_pruned_foreach_([grad for _, grad in grads], self._masks_for(grads))
+        for sp, grad in grads:
+            self._masked[sp.name] = (weakref.ref(grad), grad._version)
+
+    def _masks_for(
+        self, pairs: Sequence[tuple[SparseParameter, torch.Tensor]]
+    ) -> list[torch.Tensor]:
+        """What to multiply each tensor's bit view by (`masking.Multipliers`)."""
+        return [self._multipliers.of(sp.name, t, sp.mask) for sp, t in pairs]
 
     # ------------------------------------------------------------------ 2. before the step
     def start_step(self) -> None:
@@ -200,6 +235,7 @@ class StepHooks:
         since ``optimizer``'s last step (or ``force``), its same-shape state. A change: masks or
         parameters (`version`), its state loaded, or state added for another parameter."""
         self._release(id(optimizer))  # a step that began but never finished (an error)
+        self._arrived = {}  # a backward that reached only some of them: masked here
         sps = self.params_of(optimizer)
         now = (self.version, len(optimizer.state))
         changed = force or self._synced.get(id(optimizer)) != now
@@ -208,13 +244,24 @@ class StepHooks:
             for sp in sps
             if (grad := sp.param.grad) is not None and (changed or not self._hook_masked(sp, grad))
         ]
-        tensors = [sp.param for sp in sps] + [grad for _, grad in grads]
-        zero_pruned_foreach_(tensors, [sp.mask for sp in sps] + [sp.mask for sp, _ in grads])
+        pairs = [(sp, sp.param) for sp in sps] + grads
+        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
         for sp, grad in grads:
             self._masked[sp.name] = (weakref.ref(grad), grad._version)
         if changed:
             self._prune_state(optimizer, sps)
             self._synced[id(optimizer)] = now
+
+    def prune(self, sps: list[SparseParameter]) -> None:
+        """Prune the weights of ``sps`` now (masks changed): one pass, and each weight held
+        elsewhere (`held`) has its holder follow its mask."""
+        for sp in sps:
+            self._multipliers.forget(sp.name)  # the masks were just written
+        plain = [(sp, sp.param) for sp in sps if held.holder_of(sp.param) is None]
+        zero_pruned_foreach_([t for _, t in plain], self._masks_for(plain))
+        for sp in sps:
+            if held.holder_of(sp.param) is not None:
+                sp.prune_()
 
     def _hook_masked(self, sp: SparseParameter, grad: torch.Tensor) -> bool:
         seen = self._masked.get(sp.name)
@@ -222,7 +269,10 @@ class StepHooks:
 
     def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
         tensors, masks, opted_out = same_shape_state(optimizer, sps)
-        zero_pruned_foreach_(tensors, masks)
+        of = {id(sp.mask): sp for sp in sps}
+        zero_pruned_foreach_(
+            tensors, self._masks_for([(of[id(m)], t) for t, m in zip(tensors, masks, strict=True)])
+        )
         if opted_out:  # such state moves pruned weights: `after_step` prunes them again
             self._opted_out.add(id(optimizer))
         else:
@@ -251,7 +301,8 @@ class StepHooks:
         if state_keeps_zero(optimizer) and id(optimizer) not in self._opted_out:
             return
         sps = self.params_of(optimizer)
-        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
+        pairs = [(sp, sp.param) for sp in sps]
+        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
         self._prune_state(optimizer, sps)
 
     # ------------------------------------------------------------------ 4. masks, tensors change
@@ -286,10 +337,11 @@ class StepHooks:
         param = sp.param
         if known.is_meta:
             sp.register_mask(self.initial_mask(sp.name, param.detach()).to(param.device))
-        elif (
-            current is None or current.is_meta or not torch.equal(known.to(current.device), current)
-        ):
+        elif current is None or current.is_meta:
             sp.register_mask(known.to(param.device))
+        elif current.device == known.device and not torch.equal(known, current):
+            sp.register_mask(known)  # ``to_empty`` on the same device: its values come back
+        # On another device the mask moved with the model (``.to()``): nothing to copy.
 
     # ------------------------------------------------------------------ 5. a model state loads
     def before_model_load(
@@ -319,6 +371,14 @@ class StepHooks:
                 if name in self.unpruned:
                     self.unpruned[name].seal(sp.param, local(sp.param)._version)
         self.changed()
+
+
+def _distributed() -> bool:
+    """Whether this process trains under ``torch.distributed``: DDP copies each gradient into
+    its bucket, and FSDP reduce-scatters a module's, as backward produces them, so each must be
+    masked in its own hook, before the copy (one launch per weight), not in one pass after the
+    last."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class _Hook:

@@ -12,7 +12,7 @@ from torch import nn
 from .sharding import full
 from .sparse_parameter import mask_buffer_name
 
-__all__ = ["SparsityReport", "itop_rate", "overall_sparsity", "sparsity_report"]
+__all__ = ["SparsityReport", "host_counts", "itop_rate", "overall_sparsity", "sparsity_report"]
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,23 @@ class SparsityReport:
 
 
 @torch.no_grad()
+def host_counts(tensors: list[torch.Tensor]) -> list[int]:
+    """The nonzeros of each tensor, read to the host in one transfer per device (not one
+    ``int(count_nonzero)`` each: a host sync per tensor on a GPU)."""
+    counts: list[int] = [0] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        stacked = torch.stack([full(tensors[i].count_nonzero()) for i in indices])
+        for i, value in zip(indices, stacked.tolist(), strict=True):
+            counts[i] = int(value)
+    return counts
+
+
+@torch.no_grad()
 def sparsity_report(model: nn.Module, masked_only: bool = False) -> SparsityReport:
-    """Shape, nonzeros and sparsity of every parameter (one host sync per parameter).
+    """Shape, nonzeros and sparsity of every parameter (one host transfer per device).
 
     Nonzeros are the mask's kept count where a ``<param>_mask`` exists, otherwise the count of
     nonzero values.
@@ -75,12 +90,14 @@ def sparsity_report(model: nn.Module, masked_only: bool = False) -> SparsityRepo
     """
     rows: dict[str, dict[str, object]] = {}
     modules = dict(model.named_modules())
+    found = []
     for name, param in model.named_parameters():
         module_name, _, attr = name.rpartition(".")
         mask = modules[module_name]._buffers.get(mask_buffer_name(attr))
-        if masked_only and mask is None:
-            continue
-        nnz = int((mask if mask is not None else param).count_nonzero())
+        if not (masked_only and mask is None):
+            found.append((name, param, mask))
+    nonzeros = host_counts([m if m is not None else p.detach() for _, p, m in found])
+    for (name, param, mask), nnz in zip(found, nonzeros, strict=True):
         numel = param.numel()
         rows[name] = {
             "shape": tuple(param.shape),

@@ -19,7 +19,7 @@ import torch
 
 from .bitpack import unpack_bits
 
-__all__ = ["Expected", "check_state", "saved_masks", "saved_targets"]
+__all__ = ["Expected", "check_state", "saved_ever_active", "saved_masks", "saved_targets"]
 
 
 @dataclass(frozen=True)
@@ -146,11 +146,32 @@ def _check_ever_active(state: Mapping[str, Any], expected: Expected) -> None:
         )
     for name, mask in ever.items():
         shape = expected.ever_active.get(name)
-        if shape is not None and (not torch.is_tensor(mask) or tuple(mask.shape) != shape):
-            got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        if shape is None:
+            continue
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
+        if got == shape and mask.dtype == torch.bool:  # an earlier version's: the mask itself
+            continue
+        try:
+            unpack_bits(mask, shape)  # packed like the masks
+        except ValueError as err:
             raise ValueError(
-                f"{expected.owner}: ever_active[{name!r}] has shape {got}, the parameter {shape}"
-            )
+                f"{expected.owner}: ever_active[{name!r}] has shape {got}; it must be the "
+                f"packed bits of the parameter's {shape} mask ({err})"
+            ) from None
+
+
+def saved_ever_active(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state's ever-active masks (ITOP) as bool tensors of the parameters' shapes (packed
+    bits unpacked; an earlier version's full-size masks as they are). Call after `check_state`.
+    """
+    shapes = state.get("params") or {}
+    out = {}
+    for name, mask in (state.get("ever_active") or {}).items():
+        if name not in shapes:
+            continue
+        packed = mask.dtype != torch.bool
+        out[name] = unpack_bits(mask, shapes[name]) if packed else mask
+    return out
 
 
 def saved_masks(state: Mapping[str, Any], owner: str) -> dict[str, torch.Tensor]:

@@ -22,12 +22,17 @@ from . import held
 from .masking import zero_pruned_
 from .sharding import full
 
-__all__ = ["SparseParameter", "as_mask", "mask_buffer_name"]
+__all__ = ["SparseParameter", "as_mask", "ever_active_buffer_name", "mask_buffer_name"]
 
 
 def mask_buffer_name(param_name: str) -> str:
     """Name of the mask buffer of parameter ``param_name`` on its owning module."""
     return f"{param_name}_mask"
+
+
+def ever_active_buffer_name(param_name: str) -> str:
+    """Name of the ever-active (ITOP) buffer of parameter ``param_name`` on its owning module."""
+    return f"{param_name}_ever_active"
 
 
 def as_mask(value: object, key: str, name: str, shape: tuple[int, ...], fix: str) -> torch.Tensor:
@@ -68,6 +73,7 @@ class SparseParameter:
         self.name = name
         self.param_name = param_name
         self.mask_name = mask_buffer_name(param_name)
+        self.ever_name = ever_active_buffer_name(param_name)
 
     @property
     def param(self) -> nn.Parameter:
@@ -89,8 +95,20 @@ class SparseParameter:
         self.module.register_buffer(self.mask_name, mask.to(torch.bool), persistent=False)
 
     def remove_mask(self) -> None:
-        """Delete the mask buffer (used by ``densify``)."""
+        """Delete the mask buffer and the ever-active one (used by ``densify``)."""
         self.module._buffers.pop(self.mask_name, None)
+        self.module._buffers.pop(self.ever_name, None)
+
+    @property
+    def ever_active(self) -> torch.Tensor | None:
+        """Bool, the parameter's shape: positions ever kept (ITOP), or None if not tracked."""
+        return self.module._buffers.get(self.ever_name)
+
+    def register_ever_active(self, mask: torch.Tensor) -> None:
+        """Register ``mask`` as the non-persistent buffer ``<param>_ever_active``: a buffer, so
+        it follows ``model.to(device)`` like the mask (Lightning moves the model after
+        ``apply``)."""
+        self.module.register_buffer(self.ever_name, mask.to(torch.bool), persistent=False)
 
     def prune_(self) -> None:
         """Zero the parameter at pruned positions, in place; a parameter whose values are held

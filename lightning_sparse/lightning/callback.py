@@ -129,18 +129,25 @@ class SparsityCallback(SparsityStateCallback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any
     ) -> None:
         """Log target and actual sparsity, and each mask update's figures once, at the first
-        logging step after it (keep ``log_every_n_steps`` <= the update interval)."""
+        logging step after it (keep ``log_every_n_steps`` <= the update interval).
+
+        A value given to ``log_dict`` costs a host sync (Lightning's ``.item()``) and a float
+        one a host-to-device copy, so the per-parameter figures are read to the host in one
+        transfer and go to the loggers directly; ``log_dict`` gets a fixed handful."""
         if not self.sparse_params or trainer.global_step % max(trainer.log_every_n_steps, 1):
             return
         target, actual = self.overall_sparsity()
         several = sum(isinstance(c, SparsityCallback) for c in trainer.callbacks) > 1
         prefix = f"sparsity/{self.name}" if several else "sparsity"
-        metrics = {f"{prefix}/target": target, f"{prefix}/actual": actual.float()}
+        metrics: dict[str, float | torch.Tensor] = {
+            f"{prefix}/target": target,
+            f"{prefix}/actual": actual.float(),
+        }
         if self.unlogged_update:
-            metrics.update(
-                {f"{prefix}/{k}": v for k, v in update_metrics(self.last_update).items()}
-            )
-            metrics[f"{prefix}/itop"] = self.itop_rate()
+            figures = update_metrics(self.last_update, self.itop_rate())
+            layers = {k: v for k, v in figures.items() if k.startswith("layer/")}
+            metrics.update({f"{prefix}/{k}": v for k, v in figures.items() if k not in layers})
+            _log_to_loggers(trainer, layers, prefix)
             self.unlogged_update = False
         pl_module.log_dict(metrics, on_step=True, on_epoch=False)
 
@@ -277,17 +284,39 @@ def _callable_name(fn: Any) -> str:
     return str(getattr(fn, "__qualname__", None) or repr(fn))
 
 
-def update_metrics(stats: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Totals and per-parameter figures of one mask update (empty if none yet)."""
+def update_metrics(
+    stats: dict[str, dict[str, torch.Tensor]], itop: torch.Tensor | None = None
+) -> dict[str, float]:
+    """Totals (``dropped``, ``grown``, ``itop`` if given) and per-parameter sparsity
+    (``layer/<name>``) of one mask update, read to the host in one transfer (empty if none)."""
     if not stats:
         return {}
-    out = {
-        "dropped": torch.stack([s["dropped"] for s in stats.values()]).sum().float(),
-        "grown": torch.stack([s["grown"] for s in stats.values()]).sum().float(),
-    }
-    for name, s in stats.items():
-        out[f"layer/{name}"] = s["sparsity"].float()
+    values = [
+        torch.stack([s["dropped"] for s in stats.values()]).sum(),
+        torch.stack([s["grown"] for s in stats.values()]).sum(),
+        *(s["sparsity"] for s in stats.values()),
+    ]
+    if itop is not None:
+        values.append(itop)
+    device = values[0].device
+    host = torch.stack([v.float().to(device) for v in values]).tolist()
+    out = {"dropped": host[0], "grown": host[1]}
+    per_layer = host[2 : 2 + len(stats)]
+    out.update({f"layer/{name}": v for name, v in zip(stats, per_layer, strict=True)})
+    if itop is not None:
+        out["itop"] = host[-1]
     return out
+
+
+def _log_to_loggers(trainer: pl.Trainer, metrics: dict[str, float], prefix: str) -> None:
+    """``metrics`` (host floats) to every logger, under ``prefix``, at the step Lightning logs
+    this batch's ``log_dict`` at (loggers act on rank zero only)."""
+    if not metrics:
+        return
+    step = getattr(trainer.fit_loop.epoch_loop, "_batches_that_stepped", trainer.global_step)
+    named = {f"{prefix}/{k}": v for k, v in metrics.items()}
+    for logger in trainer.loggers:
+        logger.log_metrics(named, step=step)
 
 
 def check_accelerator(trainer: pl.Trainer) -> None:

@@ -163,11 +163,14 @@ def test_an_ordinary_step_makes_one_weight_pass_and_prunes_state_only_when_masks
         loss(model, t).backward()
         optimizer.step()
         if t == 3:  # the update step: masks changed, so gradients and state are pruned again
-            assert state == [3] and calls[0] == ("zero", 6), calls
+            # (the weights once when the new masks are installed, then weights and gradients)
+            assert state == [3] and calls[:2] == [("zero", 3), ("zero", 6)], calls
         elif t in (2, 4):  # (step 1 creates Adam's state, which step 2 prunes once)
-            # The weights (3) in one pass before the step; Adam's exp_avg_sq held (3) and
-            # released (3); the gradients were masked in backward, the state is left alone.
-            assert calls == [("zero", 3), ("fill", 3), ("zero", 3)], f"step {t}: {calls}"
+            # The gradients (3) in one pass when backward produced the last; the weights (3) in
+            # one pass before the step; Adam's exp_avg_sq held (3) and released (3); the state
+            # is left alone.
+            expected = [("zero", 3), ("zero", 3), ("fill", 3), ("zero", 3)]
+            assert calls == expected, f"step {t}: {calls}"
             assert state == [], f"step {t}: the state was pruned on an ordinary step"
     for sp in sparsity.sparse_params.values():
         for value in optimizer.state[sp.param].values():

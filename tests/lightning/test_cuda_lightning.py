@@ -12,7 +12,9 @@ import pytest
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
 
+import lightning_sparse
 from lightning_sparse import SET, RigL, SparsityAlgorithm
+from lightning_sparse.core.algorithms.registry import BUILTIN
 from tests.helpers import one_thread  # noqa: F401  (autouse fixture)
 from tests.lightning.test_amp import (
     TinyModule,
@@ -94,3 +96,37 @@ def test_lightning_fp16_scaler_inf_gradient_on_the_device(device: str, where: st
     fit(module, sparsity, device, "16-mixed", max_steps=5)
     assert_inf_at_batch_2(module.records, where)
     assert_module_sparse(module, sparsity, 0.5, module.trainer.optimizers[0])
+
+
+CUBIC = {"type": "cubic", "init": 0.0, "final": 0.75, "begin": 0, "end": 4}
+EVERY_ALGORITHM = {  # the Lightning classes of the registry's built-ins, updating every 2 steps
+    "static": lambda: lightning_sparse.Static(0.75, seed=0),
+    "gmp": lambda: lightning_sparse.GMP(CUBIC, update={"freq": 2}),
+    "set": lambda: lightning_sparse.SET(0.75, update={"freq": 2}, seed=0),
+    "rigl": lambda: lightning_sparse.RigL(0.75, update={"freq": 2}, seed=0),
+    "granet": lambda: lightning_sparse.GraNet(
+        {**CUBIC, "init": 0.5}, update={"freq": 2}, drop_fraction=0.3, seed=0
+    ),
+}
+
+
+def test_every_builtin_algorithm_has_a_device_case() -> None:
+    assert set(EVERY_ALGORITHM) == set(BUILTIN)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", sorted(EVERY_ALGORITHM))
+def test_model_built_on_the_cpu_moved_by_the_trainer(device: str, name: str) -> None:
+    """Issue 26: the callback applies sparsity in ``setup``, on the CPU; the Trainer moves the
+    model afterwards. Five steps, mask updates at 2 and 4: exact counts, pruned weights and
+    optimizer state 0, every mask and ever-active mask on the device."""
+    module = TinyModule()
+    assert module.net[0].weight.device.type == "cpu"
+    sparsity = EVERY_ALGORITHM[name]()
+    trainer = fit(module, sparsity, device, "32-true", max_steps=5)
+    assert sparsity.step == 5 == trainer.global_step
+    assert sparsity.last_update_step == (-1 if name == "static" else 4)
+    for sp in sparsity.sparse_params.values():
+        assert sp.param.device.type == sp.mask.device.type == device
+    assert all(m.device.type == device for m in sparsity.ever_active.values())
+    assert_module_sparse(module, sparsity, 0.75, trainer.optimizers[0])

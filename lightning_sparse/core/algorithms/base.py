@@ -38,11 +38,12 @@ from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
 from ..layouts import as_out_in, is_in_out
+from ..mask_batches import by_key, update_figures
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
-from ..saved_state import Expected, check_state, saved_masks, saved_targets
+from ..saved_state import Expected, check_state, saved_ever_active, saved_masks, saved_targets
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
@@ -121,7 +122,6 @@ class SparsityAlgorithm(ABC):
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
         self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
-        self.ever_active: dict[str, torch.Tensor] = {}
         self.last_update: dict[str, dict[str, torch.Tensor]] = {}
         self.unlogged_update = False
         self.last_update_step = -1
@@ -341,7 +341,7 @@ class SparsityAlgorithm(ABC):
             for sp in sps:
                 sp.prune_()
                 if self.track_itop:
-                    self.ever_active[sp.name] = sp.mask.clone()
+                    sp.register_ever_active(sp.mask.clone())
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
@@ -411,19 +411,27 @@ class SparsityAlgorithm(ABC):
         gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
         masks = {}
         for name, sp in self.sparse_params.items():
-            param = sp.param
-            if not param.requires_grad:  # frozen (PEFT base weights): a fixed mask
-                continue
-            p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
-            if is_sharded(param):
-                p = full(param.detach())
-                p.grad = full(param.grad) if param.grad is not None else None
-            self._current = name
-            flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
-            view, mask = (as_out_in(p), full(sp.mask).t()) if flip else (p, full(sp.mask))
-            new = self.update_mask(view, mask, targets[name])
-            masks[name] = shard_like(new.t().contiguous() if flip else new, param)
+            if sp.param.requires_grad:  # frozen (PEFT base weights): a fixed mask
+                masks[name] = self.mask_of(name, targets[name])
         return masks
+
+    def mask_of(self, name: str, target: float) -> torch.Tensor:
+        """``name``'s new mask by ``update_mask`` at sparsity ``target``."""
+        param = self.sparse_params[name].param
+        p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
+        if is_sharded(param):
+            p = full(param.detach())
+            p.grad = full(param.grad) if param.grad is not None else None
+        self._current = name
+        flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+        new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), target)
+        return shard_like(new.t().contiguous() if flip else new, param)
+
+    def rule_view(self, name: str) -> torch.Tensor:
+        """The mask of ``name`` as ``update_mask`` sees it: whole (a shard gathered), and
+        ``[out, in]`` for a parameter stored ``[in, out]``."""
+        mask = full(self.sparse_params[name].mask)
+        return mask.t() if name in self.in_out_params else mask
 
     def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
         """Copy ``masks`` into the mask buffers, prune the weights, record ``dropped`` /
@@ -431,25 +439,64 @@ class SparsityAlgorithm(ABC):
         the observers; gradients and optimizer state are pruned again before the step."""
         stats: dict[str, dict[str, torch.Tensor]] = {}
         with torch.no_grad():
-            for name, mask in masks.items():
-                sp = self.sparse_params[name]
-                old = sp.mask
-                stats[name] = {
-                    "dropped": full((old & ~mask).count_nonzero()),
-                    "grown": full((mask & ~old).count_nonzero()),
-                }
-                old.copy_(mask)
-                sp.prune_()
-                ever = self.ever_active.get(name)
-                if ever is not None:
-                    ever |= mask
-                    stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
-                stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+            keys = {n: self._stack_key(n, m) for n, m in masks.items()}
+            for names in by_key(keys):
+                if keys[names[0]] == (names[0],):
+                    self._install_one(names[0], masks[names[0]], stats)
+                else:
+                    self._install_stacked(names, masks, stats)
+            self.hooks.prune([self.sparse_params[n] for n in masks])  # one pass
         self.last_update, self.unlogged_update = stats, True
         self.mask_targets.update({n: targets[n] for n in masks})
         self.hooks.changed()
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
         self.observers.emit_update(self, self.step, stats)
+
+    def _stack_key(self, name: str, mask: torch.Tensor) -> tuple[Any, ...]:
+        """Masks installed together share this key: shape, device, ITOP; a sharded one alone."""
+        sp = self.sparse_params[name]
+        if is_sharded(sp.mask) or is_sharded(mask):
+            return (name,)
+        return (tuple(mask.shape), mask.device, sp.ever_active is not None)
+
+    def _install_one(self, name: str, mask: torch.Tensor, stats: dict[str, dict]) -> None:
+        """Install the new ``mask`` of ``name`` alone (a sharded one)."""
+        sp = self.sparse_params[name]
+        old = sp.mask
+        stats[name] = {
+            "dropped": full((old & ~mask).count_nonzero()),
+            "grown": full((mask & ~old).count_nonzero()),
+        }
+        old.copy_(mask)
+        ever = sp.ever_active
+        if ever is not None:
+            ever |= mask
+            stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
+        stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
+
+    def _install_stacked(
+        self, names: list[str], masks: dict[str, torch.Tensor], stats: dict[str, dict]
+    ) -> None:
+        """Install the new ``masks`` of ``names`` (one `_stack_key`): their figures over the
+        stacked masks (`mask_batches.update_figures`) and one fused copy."""
+        sps = [self.sparse_params[n] for n in names]
+        new = [masks[n] for n in names]
+        evers = [sp.ever_active for sp in sps]
+        tracked = [e for e in evers if e is not None]
+        figures = update_figures(
+            torch.stack([full(sp.mask) for sp in sps]),
+            torch.stack([full(m) for m in new]),
+            tracked if tracked else None,
+        )
+        torch._foreach_copy_([sp.mask for sp in sps], new)
+        numel = new[0].numel()
+        sparsity = 1.0 - figures.kept / numel
+        itop = figures.ever / numel if figures.ever is not None else None
+        for i, name in enumerate(names):
+            stats[name] = {"dropped": figures.dropped[i], "grown": figures.grown[i]}
+            if itop is not None:
+                stats[name]["itop"] = itop[i]
+            stats[name]["sparsity"] = sparsity[i]
 
     def name_of(self, p: torch.Tensor) -> str:
         """Full name of the parameter ``update_mask`` is working on."""
@@ -467,6 +514,13 @@ class SparsityAlgorithm(ABC):
     def overall_sparsity(self) -> tuple[float, torch.Tensor]:
         """(target, actual) over the sparse parameters, weighted by size (actual: 0-d tensor)."""
         return report.overall_sparsity(self.sparse_params, self.mask_target)
+
+    @property
+    def ever_active(self) -> dict[str, torch.Tensor]:
+        """``{name: bool mask}`` of the positions ever kept (ITOP; empty unless ``track_itop``):
+        ``<param>_ever_active`` buffers, so they follow the model's device."""
+        found = ((name, sp.ever_active) for name, sp in self.sparse_params.items())
+        return {name: ever for name, ever in found if ever is not None}
 
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
@@ -512,8 +566,8 @@ class SparsityAlgorithm(ABC):
             "masks": {name: pack_bits(full(sp.mask)).cpu() for name, sp in params.items()},
             "removed": self.removed,
         }
-        if self.ever_active:
-            state["ever_active"] = {n: m.clone() for n, m in self.ever_active.items()}
+        if ever := self.ever_active:  # packed like the masks: on the CPU, 1 bit per weight
+            state["ever_active"] = {n: pack_bits(full(m)).cpu() for n, m in ever.items()}
         return state
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
@@ -545,9 +599,10 @@ class SparsityAlgorithm(ABC):
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
         self.seed = state.get("seed", self.seed)
-        for name, mask in state.get("ever_active", {}).items():
-            if name in self.ever_active:
-                self.ever_active[name].copy_(mask)
+        ever = self.ever_active
+        for name, mask in saved_ever_active(state).items():
+            if name in ever:
+                ever[name].copy_(shard_like(mask.to(ever[name].device), ever[name]))
         unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
         with torch.no_grad():
             for name, sp in self.sparse_params.items():

@@ -15,10 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from .. import validate
-from ..mask_ops import drop_and_grow, drop_and_grow_random
+from .. import held, validate
+from ..mask_batches import by_key, drop_count
+from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random
 from ..schedules import ScheduleSpec, bind
 from ..shapers import Shaper
+from ..sharding import is_sharded
 from .base import SparsityAlgorithm
 
 __all__ = ["DropAndGrow", "dense_grad_score", "shaped_drop_and_grow"]
@@ -44,18 +46,94 @@ class DropAndGrow(SparsityAlgorithm):
             drop_fraction, self.update_schedule, False, check=validate.drop_fraction
         )
         self.check_range(self.horizon())
+        self._count_ranges: dict[str, tuple[int, int]] = {}  # read once per update
 
     @abstractmethod
     def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
         """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
         (uniformly at random)."""
 
+    def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
+        """The masks of same-shape weights at one target computed together, over their stack
+        (`mask_batches`: a few kernels per shape, not per weight; each weight gets the mask it
+        gets alone), the others one by one (`mask_of`). Every mask's fewest and most kept per
+        row are read to the host in one transfer first: one host sync per update."""
+        names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
+        groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
+        stacks = [torch.stack([self.shaper.shape(self.rule_view(n)) for n in g]) for g in groups]
+        masks: dict[str, torch.Tensor] = {}
+        for group, stack, (lows, highs) in zip(
+            groups, stacks, _row_count_ranges(stacks), strict=True
+        ):
+            if len(group) > 1 and len({*lows, *highs}) == 1 and not _host_select(stack[0]):
+                masks.update(self._stacked_masks(group, stack, targets[group[0]], lows[0]))
+                continue
+            self._count_ranges = dict(zip(group, zip(lows, highs, strict=True), strict=True))
+            try:
+                masks.update({n: self.mask_of(n, targets[n]) for n in group})
+            finally:
+                self._count_ranges = {}
+        return masks
+
+    def _batch_key(self, name: str, target: float) -> tuple[Any, ...]:
+        """Weights computed together share it: shape, dtype, device and target; a sharded one, a
+        held one (`held`) and an ``[in, out]`` one (`layouts`) stand alone."""
+        param = self.sparse_params[name].param
+        if is_sharded(param) or held.holder_of(param) is not None or name in self.in_out_params:
+            return (name,)
+        return (tuple(param.shape), param.dtype, param.device, target)
+
+    def _stacked_masks(
+        self, names: list[str], masks: torch.Tensor, sparsity: float, active: int
+    ) -> dict[str, torch.Tensor]:
+        """`shaped_drop_and_grow` of the same-shape weights ``names`` at once. ``masks``: their
+        stacked ``[G, groups, n]`` mask views; ``active``: the kept count of every row."""
+        params = [self.sparse_params[n].param for n in names]
+        n_total = self.shaper.keep_per_row(sparsity, masks.shape[-1])
+        drop = self.drop_fraction_at(self.step)
+        n_drop = drop_count(active, n_total, drop, self.prune_to_target)
+        magnitude = torch.stack([p.detach() for p in params]).abs_()
+        scores = []
+        for name, p in zip(names, params, strict=True):
+            self._current = name
+            score = self.grow_score(p)
+            if isinstance(score, torch.Generator):  # SET: the per-weight path's random score
+                score = torch.rand(p.shape, generator=score, device=p.device)
+            scores.append(self.shaper.shape(score))
+        drop_score = torch.stack([self.shaper.shape(m) for m in magnitude.unbind(0)])
+        new = drop_and_grow(drop_score, torch.stack(scores), masks, n_drop, n_total)
+        return {
+            n: self.shaper.unshape(new[i], p.shape)
+            for i, (n, p) in enumerate(zip(names, params, strict=True))
+        }
+
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""
         drop = self.drop_fraction_at(self.step)
         return shaped_drop_and_grow(
-            self.shaper, p, self.grow_score(p), mask, sparsity, drop, self.prune_to_target
+            self.shaper,
+            p,
+            self.grow_score(p),
+            mask,
+            sparsity,
+            drop,
+            self.prune_to_target,
+            self._count_ranges.get(self.name_of(p)),
         )
+
+
+def _row_count_ranges(stacks: list[torch.Tensor]) -> list[tuple[list[int], list[int]]]:
+    """Per stack of ``[G, groups, n]`` masks, the fewest and the most kept per row of each of
+    its ``G`` masks, read to the host together (one sync)."""
+    if not stacks:
+        return []
+    counts = [torch.stack(m.sum(-1).flatten(1).aminmax(dim=1)) for m in stacks]
+    lows, highs = torch.cat(counts, dim=1).tolist()
+    out, start = [], 0
+    for m in stacks:
+        out.append((lows[start : start + len(m)], highs[start : start + len(m)]))
+        start += len(m)
+    return out
 
 
 def shaped_drop_and_grow(
@@ -66,6 +144,7 @@ def shaped_drop_and_grow(
     sparsity: float,
     drop_fraction: float,
     prune_to_target: bool = False,
+    count_range: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Drop ``drop_fraction`` of the active weights by ``|p|``, regrow by ``grow_score``.
 
@@ -84,6 +163,8 @@ def shaped_drop_and_grow(
         sparsity: target sparsity after the update.
         drop_fraction: share of the target's active connections replaced, in [0, 1].
         prune_to_target: GraNet: also drop the surplus above the target count by magnitude.
+        count_range: the fewest and most kept per row of ``mask``, if the caller read them
+            (`row_count_ranges`); else they are read here (one host sync).
 
     Returns:
         bool mask of ``p``'s shape with ``shaper.keep_per_row(sparsity, n)`` kept per row (or
@@ -93,10 +174,12 @@ def shaped_drop_and_grow(
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
     keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
     counts = m2d.sum(-1)
-    low, high = (int(c) for c in counts.aminmax())  # one host sync per parameter per update
+    if count_range is None:
+        count_range = (int(counts.amin()), int(counts.amax()))
+    low, high = count_range
+    n_drop: int | torch.Tensor
     if low == high:  # the usual case: ints keep top-k on its fast path
-        base = min(low, n_total) if prune_to_target else low
-        n_drop: int | torch.Tensor = low - int(keep_share * base)
+        n_drop = drop_count(low, n_total, drop_fraction, prune_to_target)
     else:
         base_t = counts.clamp(max=n_total) if prune_to_target else counts
         n_drop = counts - torch.floor(base_t.double() * keep_share).long()

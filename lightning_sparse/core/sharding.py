@@ -8,7 +8,12 @@ each rank then keeps its own shard without communication. Plain tensors pass thr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["full", "is_sharded", "local", "shard_like"]
 
@@ -19,7 +24,7 @@ except ImportError:  # torch built without distributed support
     distribute_tensor = None  # type: ignore[assignment]
 
 
-def is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> TypeIs[DTensor]:
     """Whether ``t`` is a ``DTensor``."""
     return DTensor is not None and isinstance(t, DTensor)
 

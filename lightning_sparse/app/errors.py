@@ -174,8 +174,8 @@ def _offending_key(config: Namespace, err: BaseException) -> str | None:
 
 def _innermost(err: BaseException) -> BaseException:
     cause = err
-    while cause.__cause__ is not None or cause.__context__ is not None:
-        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner
     return cause
 
 

@@ -161,8 +161,9 @@ def _is_peft_layer(module: nn.Module) -> bool:
 def _parameters_under(module: nn.Module, attr: str) -> list[nn.Parameter]:
     """The parameter ``module.<attr>``, or those of the submodule there (read from the registries,
     not ``getattr``: peft's wrappers forward unknown attributes to the wrapped module)."""
-    if attr in module._parameters and module._parameters[attr] is not None:
-        return [module._parameters[attr]]  # type: ignore[list-item]
+    param = module._parameters.get(attr)
+    if param is not None:
+        return [param]
     sub = module._modules.get(attr)
     return list(sub.parameters()) if sub is not None else []
 

@@ -20,6 +20,7 @@ __all__ = ["full", "is_sharded", "local", "shard_like"]
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch built without distributed support
+    # None marks the absence (is_sharded checks it); mypy sees the class and function.
     DTensor = None  # type: ignore[assignment,misc]
     distribute_tensor = None  # type: ignore[assignment]
 

@@ -137,6 +137,7 @@ class SparsityCallback(SparsityStateCallback):
         index = next((i for i, c in enumerate(callbacks) if c is self), None)
         several = len(callbacks) > 1 and index is not None
         prefix = f"sparsity/{index}" if several else "sparsity"
+        # self is the algorithm (or Group) this class is mixed into.
         hparams = sparsity_hparams(self, prefix)  # type: ignore[arg-type]
         for logger in trainer.loggers:
             logger.log_hyperparams(hparams)  # loggers act on rank zero only
@@ -205,6 +206,7 @@ def check_resumable(trainer: pl.Trainer, path: str | os.PathLike[str]) -> None:
         if state is None:  # an earlier version's layout: under checkpoint["callbacks"]
             state = (checkpoint.get("callbacks") or {}).get(callback.state_key)
         if state is not None:
+            # The algorithm's or Group's (their signatures differ, so the mixin declares none).
             callback.check_state_dict(state)  # type: ignore[attr-defined]
 
 

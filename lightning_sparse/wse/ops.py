@@ -83,6 +83,7 @@ def inference_runner(
         return functools.partial(F.linear, weight=dense, bias=bias)  # no Python frame per call
     bias = None if bias is None else bias.detach().contiguous()
     run = csr_runner(path, csr.crow_indices, csr.col_indices, values, csr.shape, bias)
+    # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
     run.keep.append(csr)  # type: ignore[attr-defined]
     return run
 
@@ -131,6 +132,7 @@ def csr_runner(
             y2 = matmul(crow, cols, wide, x2, out_features, bias)
             return y2.reshape(*x.shape[:-1], out_features)
 
+        # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
         run_backend.keep = [crow, columns, values, bias]  # type: ignore[attr-defined]
         return run_backend
     stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
@@ -165,6 +167,7 @@ def csr_runner(
                  out.data_ptr(), kernel_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
+    # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
     run.keep = keep  # type: ignore[attr-defined]
     return run
 

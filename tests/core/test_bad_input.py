@@ -328,3 +328,14 @@ def test_optimizer_over_foreign_parameters_raises_and_registers_nothing(foreign_
         other(torch.randn(2, 8)).sum().backward()
         optimizer.step()
     assert sparsity.step == 0, "the failed apply(optimizer) left a step hook behind"
+
+
+def test_calls_an_algorithm_cannot_answer_say_why() -> None:
+    """A drop fraction asked of an algorithm that replaces no weights, and a random mask drawn
+    before ``apply`` has resolved ``seed=None``: errors naming the rule, not a None deep inside."""
+    from lightning_sparse.core import RigL, Static
+
+    with pytest.raises(TypeError, match="Static has no drop_fraction"):
+        Static(0.8).drop_fraction_at(0)
+    with pytest.raises(RuntimeError, match=r"no seed yet \(seed=None is resolved by apply"):
+        RigL(0.8).initial_mask("w", torch.zeros(4, 4))

@@ -320,7 +320,12 @@ class SparsityAlgorithm(ABC):
         """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
         raise. Reversible (`detach`) until `commit` prunes."""
         sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
-        replaced = {sp.name: sp.mask for sp in sps if sp.has_mask}  # masks no algorithm owns
+        # Masks no algorithm owns, and whether each was in the module's state_dict (persistent).
+        replaced = {
+            sp.name: (sp.mask, sp.mask_name not in sp.module._non_persistent_buffers_set)
+            for sp in sps
+            if sp.has_mask
+        }
         try:
             for sp, mask in zip(sps, masks, strict=True):
                 sp.register_mask(mask)
@@ -329,7 +334,8 @@ class SparsityAlgorithm(ABC):
             self.detach(sps)
             for sp in sps:
                 if sp.name in replaced:
-                    sp.register_mask(replaced[sp.name])
+                    mask, persistent = replaced[sp.name]
+                    sp.module.register_buffer(sp.mask_name, mask, persistent=persistent)
             raise
         return sps
 

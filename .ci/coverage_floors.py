@@ -2,8 +2,8 @@
 
 Reads the JSON report of coverage.py (``--cov-report=json:PATH``, line and branch coverage of the
 test suite, subprocesses included: ``[tool.coverage.run]`` in pyproject.toml) and checks each
-layer (``lightning_sparse/<layer>/``; the package's own ``__init__.py`` and the recipes package
-form ``root``) against the floors below. A layer directory with no floor fails too, so a new one
+layer (``lightning_sparse/<layer>/``; the package's own ``__init__.py`` forms ``root``) against
+the floors below. A layer directory with no floor fails too, so a new one
 cannot go unmeasured. Usage (what .ci/run does)::
 
     python .ci/coverage_floors.py coverage.json
@@ -19,15 +19,15 @@ from pathlib import PurePosixPath
 # what the whole suite measured, less one point for noise: see docs/design.md, "Checks").
 # Raise a floor when tests close a gap; never lower one to make a change pass.
 FLOORS: dict[str, tuple[int, int]] = {
-    #         lines, branches
-    "core": (0, 0),
-    "lightning": (0, 0),
-    "models": (0, 0),
-    "data": (0, 0),
-    "wse": (0, 0),
-    "integrations": (0, 0),
-    "app": (0, 0),
-    "root": (0, 0),
+    #                lines, branches   measured 2026-11-27 (lines, branches)
+    "core": (95, 89),  # 96.22, 90.08
+    "lightning": (91, 81),  # 92.91, 82.09
+    "models": (98, 93),  # 99.34, 94.87
+    "data": (95, 87),  # 96.91, 88.75
+    "wse": (93, 79),  # 94.57, 80.94
+    "integrations": (90, 78),  # 91.71, 79.53
+    "app": (92, 81),  # 93.56, 82.89
+    "root": (94, 99),  # 95.00, 100.00 (lightning_sparse/__init__.py)
 }
 
 

@@ -80,7 +80,7 @@ def aggregate(runs: list[Run], baseline: str | None = "static") -> list[MethodRe
                 losses=own,
                 loss=mean_interval(list(own.values())) if own else None,
                 ppl=_mean(ppls) if ppls else None,
-                vs_baseline=paired_difference(own, base) if shared else None,  # type: ignore[arg-type]
+                vs_baseline=paired_difference(own, base) if base and shared else None,
                 train_flops=_mean([f["train"] for f in fl]),
                 train_vs_dense=_mean([f["train"] / f["train_dense"] for f in fl]),
                 inference_per_token=_mean([f["inference_per_token"] for f in fl]),
@@ -190,7 +190,10 @@ def band_curves(
         intervals = [(x, mean_interval([c[x] for c in per_seed])) for x in steps]
         means[method] = [(x, i.mean) for x, i in intervals]
         if len(per_seed) > 1 and intervals:
-            bands[method] = [(x, i.low, i.high) for x, i in intervals]  # type: ignore[misc]
+            # Two or more seeds: every interval has its bounds.
+            bands[method] = [
+                (x, i.low, i.high) for x, i in intervals if i.low is not None and i.high is not None
+            ]
     return means, bands
 
 

@@ -124,6 +124,7 @@ def annotate_runs(
             resume="allow",
             group=run.method,
             job_type="fit",
+            # WANDB_MODE's value, any string (W&B checks it); wandb.init declares a Literal.
             mode=wandb_mode(),  # type: ignore[arg-type]
         )
         try:
@@ -159,12 +160,14 @@ def log_comparison_to_wandb(
         dir=str(out),
         name=out.name,
         job_type="compare",
+        # WANDB_MODE's value, any string (W&B checks it); wandb.init declares a Literal.
         mode=wandb_mode(),  # type: ignore[arg-type]
         config={"recipes": [r.method for r in results], "seeds": seeds, "baseline": baseline},
     )
     try:
         data = [[row.get(c) for c in columns] for row in rows]
-        media: dict[str, Any] = {"comparison": wandb.Table(columns=columns, data=data)}
+        headers: list[str | int] = [*columns]  # wandb.Table's type (a list is invariant)
+        media: dict[str, Any] = {"comparison": wandb.Table(columns=headers, data=data)}
         curves = [(name, curve) for name, curve in means.items() if curve]
         if curves:  # W&B's own line chart of the mean validation curves (interactive)
             media["val_loss_chart"] = wandb.plot.line_series(

@@ -123,10 +123,14 @@ def note_key(err: BaseException, config: Namespace) -> None:
     """Mark ``err`` (raised while building the objects of ``config``) as a configuration error,
     naming the key of the object whose constructor raised it where it can be found."""
     key = _offending_key(config, err)
-    err.add_note(
+    note = (
         f"{CONFIG_ERROR_NOTE}{f' ({key})' if key else ''}, before any training step; "
         "fix the recipe value named above (or its command-line override)"
     )
+    if sys.version_info >= (3, 11):
+        err.add_note(note)
+    else:  # Python 3.10 has no add_note (PEP 678); _notes() reads the list it would append to
+        setattr(err, "__notes__", [*_notes(err), note])  # noqa: B010  (not in 3.10's typeshed)
 
 
 def short_error(err: BaseException) -> str:
@@ -170,8 +174,8 @@ def _offending_key(config: Namespace, err: BaseException) -> str | None:
 
 def _innermost(err: BaseException) -> BaseException:
     cause = err
-    while cause.__cause__ is not None or cause.__context__ is not None:
-        cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner
     return cause
 
 

@@ -27,9 +27,10 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_info
@@ -54,6 +55,9 @@ from lightning_sparse.lightning import SparseRunSummary
 from lightning_sparse.lightning.callback import check_resumable
 from lightning_sparse.recipes import RECIPES_DIR
 
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
 __all__ = ["DEFAULT_RECIPE", "SparseCLI", "build_args", "last_checkpoint", "main", "run"]
 
 DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
@@ -62,7 +66,7 @@ DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
 class _Parser(LightningArgumentParser):
     """A parse error prints a one-line usage (the full one is ~50 lines of options)."""
 
-    def print_usage(self, file: TextIO | None = None) -> None:
+    def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         prog = self.prog.replace(" [options]", "")
         (file or sys.stderr).write(f"usage: {prog} [options] (all options: {prog} --help)\n")
 
@@ -82,6 +86,8 @@ class SparseCLI(LightningCLI):
         # dispatches them before LightningCLI; these entries only document them).
         super()._add_subcommands(parser, **kwargs)
         action = parser._subcommands_action
+        if action is None:  # LightningCLI's _add_subcommands has just made it
+            raise RuntimeError("LightningCLI added no subcommands to its parser")
         for subcommand in SUBCOMMANDS:
             if not subcommand.lightning:
                 action.add_subcommand(subcommand.name, self.parser_class(), help=subcommand.help)
@@ -114,11 +120,13 @@ class SparseCLI(LightningCLI):
             if isinstance(err, ValueError | TypeError):
                 note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
-        plain_model_summary(self.trainer.callbacks)
+        # Trainer.callbacks (and log_every_n_steps, datamodule) are set by Lightning's connectors,
+        # undeclared on the class: mypy finds no such attribute.
+        plain_model_summary(self.trainer.callbacks)  # type: ignore[attr-defined]
         use_tensor_cores(self.trainer.accelerator)  # before Lightning's advice to do so
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
-            for callback in self.trainer.callbacks:
+            for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, SaveConfigCallback):
                     callback.config = self._config_as_given
         for logger in self.trainer.loggers:
@@ -159,6 +167,8 @@ def last_checkpoint(trainer: pl.Trainer) -> Path | None:
     ``last_model_path`` / ``best_model_path`` or a ``.ckpt`` in their ``dirpath``), or None."""
     found: set[Path] = set()
     for callback in trainer.checkpoint_callbacks:
+        if not isinstance(callback, ModelCheckpoint):  # no files the base Checkpoint names
+            continue
         for known in (callback.last_model_path, callback.best_model_path):
             if known and Path(known).is_file():
                 found.add(Path(known))

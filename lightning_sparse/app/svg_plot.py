@@ -10,7 +10,7 @@ that opens in any browser.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from html import escape
 
 __all__ = ["line_plot_svg"]
@@ -116,8 +116,8 @@ def _text(x: float, y: float, text: str, anchor: str = "start", size: int = 12) 
     )
 
 
-def _span(values: object) -> tuple[float, float]:
-    vals = list(values)  # type: ignore[call-overload]
+def _span(values: Iterable[float]) -> tuple[float, float]:
+    vals = list(values)
     lo, hi = min(vals), max(vals)
     if hi == lo:
         pad = abs(lo) * 0.05 or 1.0

@@ -225,6 +225,8 @@ def configure(
         )
     if _is_number(config):
         config = {"sparsity": config}
+    if not isinstance(config, Mapping | Sequence):  # _is_config said so: a number became a dict
+        raise TypeError(f"sparsity config {config!r} is not supported")
     entries = (
         [(root, config)]
         if isinstance(config, Mapping)
@@ -444,7 +446,7 @@ def _accepted_kwargs(cls: type) -> set[str]:
     for klass in cls.__mro__:
         if "__init__" not in klass.__dict__ or klass is object:
             continue
-        params = inspect.signature(klass.__init__).parameters.values()
+        params = inspect.signature(klass.__dict__["__init__"]).parameters.values()
         names |= {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
         if not any(p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) for p in params):
             break

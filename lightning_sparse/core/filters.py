@@ -108,8 +108,10 @@ def output_head_ids(root: nn.Module) -> set[int]:
         projections = [m for m in module.modules() if isinstance(m, nn.Linear) or is_hf_conv1d(m)]
         if projections and num_labels is not None:
             last = projections[-1]
-            out_features = last.weight.shape[1 if is_hf_conv1d(last) else 0]
-            if out_features == num_labels:
+            weight = last.weight  # a Linear's or Conv1D's: a Tensor
+            if not isinstance(weight, torch.Tensor):
+                continue
+            if weight.shape[1 if is_hf_conv1d(last) else 0] == num_labels:
                 ids.update(id(p) for p in last.parameters())
     return ids
 
@@ -132,8 +134,12 @@ def adapter_parameter_ids(root: nn.Module) -> set[int]:
     ids: set[int] = set()
     for module in root.modules():
         if _is_peft_layer(module):
-            attrs = vars(module).get("adapter_layer_names") or type(module).adapter_layer_names
-            other = getattr(type(module), "other_param_names", ())
+            attrs: Iterable[str] = (
+                vars(module).get("adapter_layer_names")
+                or getattr(type(module), "adapter_layer_names", None)
+                or ()
+            )
+            other: Iterable[str] = getattr(type(module), "other_param_names", ())
             for attr in (*attrs, *other):
                 ids.update(id(p) for p in _parameters_under(module, attr))
         prompt = module._modules.get("prompt_encoder")
@@ -155,8 +161,9 @@ def _is_peft_layer(module: nn.Module) -> bool:
 def _parameters_under(module: nn.Module, attr: str) -> list[nn.Parameter]:
     """The parameter ``module.<attr>``, or those of the submodule there (read from the registries,
     not ``getattr``: peft's wrappers forward unknown attributes to the wrapped module)."""
-    if attr in module._parameters and module._parameters[attr] is not None:
-        return [module._parameters[attr]]  # type: ignore[list-item]
+    param = module._parameters.get(attr)
+    if param is not None:
+        return [param]
     sub = module._modules.get(attr)
     return list(sub.parameters()) if sub is not None else []
 

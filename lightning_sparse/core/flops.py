@@ -232,14 +232,15 @@ def model_flops(
 
     attention = {"n_layers": n_layers, "d_model": d_model, "n_heads": n_heads}
     if any(v is not None for v in attention.values()):
-        for name, value in attention.items():
-            if value is None:
+        for key, given in attention.items():
+            if given is None:
                 raise ValueError(
-                    f"{name} is missing; attention terms need n_layers, d_model and "
+                    f"{key} is missing; attention terms need n_layers, d_model and "
                     "n_heads together: pass all three, or none to leave them out."
                 )
-            check_count(name, value)
-        other += n_layers * (4 * seq_len * d_model + 3 * n_heads * seq_len)
+            check_count(key, given)
+        if n_layers is not None and d_model is not None and n_heads is not None:  # all: above
+            other += n_layers * (4 * seq_len * d_model + 3 * n_heads * seq_len)
 
     params = list(model.parameters())
     nonzero = sum(kept.get(id(p), p.numel()) for p in params)

@@ -126,6 +126,7 @@ def checkerboard(
         return torch.zeros_like(p, dtype=torch.bool)
     row_len = shaper.shape(torch.empty(p.shape, device="meta")).shape[-1]
     keep = shaper.keep_per_row(validate.sparsity(sparsity, "init sparsity"), row_len)
+    grid: tuple[int, ...]
     if isinstance(shaper, Blocks):
         grid = (p.shape[0] // shaper.h, p.shape[1] // shaper.w)
     else:

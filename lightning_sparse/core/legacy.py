@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from .algorithms.base import SparsityAlgorithm
+from .algorithms.group import Group
 from .configure import configure
 from .filters import ParamFilter
 
@@ -64,7 +65,9 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
         ValueError: if ``sparsity`` is not applied to ``optimizer``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, sparsity: SparsityAlgorithm) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, sparsity: SparsityAlgorithm | Group
+    ) -> None:
         if not any(o is optimizer for o in sparsity.optimizers):
             raise ValueError(
                 f"{sparsity!r} is not applied to the optimizer being wrapped; call "
@@ -80,7 +83,7 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
 
     # The wrapped optimizer's own objects, never copies.
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         """The wrapped optimizer's ``param_groups`` list."""
         return self.optimizer.param_groups
 
@@ -89,7 +92,7 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         """The wrapped optimizer's per-parameter ``state``."""
         return self.optimizer.state
 
@@ -98,7 +101,7 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         """The wrapped optimizer's ``defaults``."""
         return self.optimizer.defaults
 
@@ -106,7 +109,7 @@ class SparsityWrapperOptimizer(torch.optim.Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step the wrapped optimizer; its sparsity hooks update masks and re-prune weights."""
         return self.optimizer.step(closure)
 

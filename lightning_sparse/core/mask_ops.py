@@ -100,7 +100,7 @@ def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
 
 
 def _keep_threshold(
-    score: Tensor, threshold: Tensor, k: int | Tensor, valid: Tensor | None = None
+    score: Tensor, threshold: Tensor | float, k: int | Tensor, valid: Tensor | None = None
 ) -> Tensor:
     """Keep ``score > threshold`` plus the lowest-index ties so each row has ``k`` (counting
     only ``valid`` positions, if given)."""

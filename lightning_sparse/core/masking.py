@@ -80,8 +80,8 @@ def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.
     """``zero_pruned_`` over lists, one fused ``_foreach_mul_`` where the bit views allow."""
     if not tensors:
         return
-    views = [_bits(t) for t in tensors]
-    if all(v is not None for v in views):
+    views = [v for t in tensors if (v := _bits(t)) is not None]
+    if len(views) == len(tensors):
         torch._foreach_mul_(views, list(masks))
         return
     for t, mask in zip(tensors, masks, strict=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -15,11 +15,21 @@ from .sparse_parameter import mask_buffer_name
 __all__ = ["SparsityReport", "host_counts", "itop_rate", "overall_sparsity", "sparsity_report"]
 
 
+class ReportRow(TypedDict):
+    """One parameter's row of a `SparsityReport`."""
+
+    shape: tuple[int, ...]
+    numel: int
+    nonzeros: int
+    sparsity: float
+    masked: bool
+
+
 @dataclass(frozen=True)
 class SparsityReport:
     """Rows per parameter (``name -> {"shape", "numel", "nonzeros", "sparsity", "masked"}``)."""
 
-    rows: dict[str, dict[str, object]] = field(default_factory=dict)
+    rows: dict[str, ReportRow] = field(default_factory=dict)
 
     @property
     def totals(self) -> dict[str, float]:
@@ -47,7 +57,7 @@ class SparsityReport:
         lines = [f"{'parameter':<{width}}  {'shape':>16}  {'nonzeros':>10}  {'sparsity':>8}"]
         for name, r in self.rows.items():
             mark = "" if r["masked"] else " (dense)"
-            shape = "x".join(str(s) for s in r["shape"])  # type: ignore[union-attr]
+            shape = "x".join(str(s) for s in r["shape"])
             lines.append(
                 f"{name:<{width}}  {shape:>16}  {r['nonzeros']:>10}  {r['sparsity']:>8.2%}{mark}"
             )
@@ -88,7 +98,7 @@ def sparsity_report(model: nn.Module, masked_only: bool = False) -> SparsityRepo
         model: any module, sparsified or not.
         masked_only: list only parameters that have a mask.
     """
-    rows: dict[str, dict[str, object]] = {}
+    rows: dict[str, ReportRow] = {}
     modules = dict(model.named_modules())
     found = []
     for name, param in model.named_parameters():

@@ -100,16 +100,16 @@ def check_state(state: Any, expected: Expected, target: Target, loading: bool = 
             )
     if "config" in state:
         mine, saved = expected.config, state["config"]
-        diff = {
+        settings = {
             k: (saved.get(k), mine.get(k))
             for k in set(mine) | set(saved)
             if saved.get(k) != mine.get(k)
         }
-        if diff:
-            key, (was, now) = sorted(diff.items())[0]
+        if settings:
+            key, (was, now) = sorted(settings.items())[0]
             raise ValueError(
                 f"{owner}: the checkpoint was made with {key}={was}, this object "
-                f"has {key}={now} ({len(diff)} setting(s) differ); construct the "
+                f"has {key}={now} ({len(settings)} setting(s) differ); construct the "
                 "algorithm with the checkpoint's settings to resume it"
             )
     seed = state.get("seed", expected.seed)

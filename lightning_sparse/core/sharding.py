@@ -8,18 +8,24 @@ each rank then keeps its own shard without communication. Plain tensors pass thr
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = ["full", "is_sharded", "local", "shard_like"]
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
 except ImportError:  # torch built without distributed support
+    # None marks the absence (is_sharded checks it); mypy sees the class and function.
     DTensor = None  # type: ignore[assignment,misc]
     distribute_tensor = None  # type: ignore[assignment]
 
 
-def is_sharded(t: torch.Tensor) -> bool:
+def is_sharded(t: torch.Tensor) -> TypeIs[DTensor]:
     """Whether ``t`` is a ``DTensor``."""
     return DTensor is not None and isinstance(t, DTensor)
 

@@ -81,6 +81,7 @@ def real(value: object, name: str, *, owner: str = "") -> float:
             f"{_who(owner, name)} must be a real number, got {value!r} ({_kind(value)}); pass a "
             "float such as 0.5"
         )
+    # is_number(value) held above; _scalar returns it as an object.
     number = float(_scalar(value))  # type: ignore[arg-type]
     if not math.isfinite(number):
         raise ValueError(f"{_who(owner, name)} must be finite, got {value!r}; pass a finite float")
@@ -111,6 +112,7 @@ def integer(
         whole = f"a whole number of {unit}" if unit else wanted
         fix = fix or f"pass {whole}"
         raise TypeError(f"{who} must be an int{counts}, got {value!r} ({_kind(value)}); {fix}")
+    # is_integer(value) held above; _scalar returns it as an object.
     number = int(_scalar(value))  # type: ignore[call-overload]
     if number < minimum:
         raise ValueError(f"{who} must be >= {minimum}, got {value!r}; {fix or f'pass {wanted}'}")
@@ -146,6 +148,7 @@ def sparsity(
             f"{name}={value!r}{_for(where)} must be a number: a float in [0, 1) (the fraction of "
             "zeros), e.g. 0.8"
         )
+    # is_number(value) held above; _scalar returns it as an object.
     number = float(_scalar(value))  # type: ignore[arg-type]
     if 0.0 <= number < 1.0:
         return number
@@ -180,6 +183,7 @@ def drop_fraction(
             f"{name}={value!r} must be a number: a float in [0, 1] (the share of active weights "
             "replaced per update), e.g. 0.3"
         )
+    # is_number(value) held above; _scalar returns it as an object.
     number = float(_scalar(value))  # type: ignore[arg-type]
     if 0.0 <= number <= 1.0:
         return number
@@ -207,4 +211,5 @@ def seed(value: object) -> int | None:
         raise TypeError(
             f"seed={value!r} must be an int, or None for the experiment's seed (e.g. seed=0)"
         )
+    # is_integer(value) held above; _scalar returns it as an object.
     return int(_scalar(value))  # type: ignore[call-overload]

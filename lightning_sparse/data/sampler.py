@@ -44,6 +44,7 @@ class ResumableSampler(DistributedSampler):
         self, dataset: Dataset, order: Tensor, batch_size: int, num_replicas: int = 1, rank: int = 0
     ) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+        # torch's Dataset declares no __len__; the map-style datasets sampled here have one.
         if sorted(order.tolist()) != list(range(len(dataset))):  # type: ignore[arg-type]
             raise ValueError(f"order must be a permutation of range({len(dataset)})")  # type: ignore[arg-type]
         if batch_size < 1:

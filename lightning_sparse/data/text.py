@@ -12,6 +12,7 @@ import hashlib
 import sysconfig
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -19,6 +20,9 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_sparse.data.sampler import ResumableDataLoader, ResumableSampler
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
 
 VOCAB_SIZE = 256
 # Directory names never read from the standard library: installed packages and test suites.
@@ -148,6 +152,12 @@ class ByteTextDataModule(L.LightningDataModule):
 
     vocab_size = VOCAB_SIZE
 
+    if TYPE_CHECKING:
+        # save_hyperparameters() makes hparams an AttributeDict (read as hp.seq_len); Lightning
+        # declares the wider MutableMapping.
+        @property
+        def hparams(self) -> AttributeDict: ...
+
     def __init__(
         self,
         paths: list[str] | None = None,
@@ -212,9 +222,19 @@ class ByteTextDataModule(L.LightningDataModule):
         """Start offsets [num_windows] tiling data with stride seq_len."""
         return torch.arange((len(data) - 1) // self.hparams.seq_len) * self.hparams.seq_len
 
+    def _split(self, name: str) -> Tensor:
+        """The `name` ("train" or "val") split's data; raises before `setup` has read it."""
+        data = self.train_data if name == "train" else self.val_data
+        if data is None:
+            raise RuntimeError(
+                f"{name}_dataloader() before setup(): call setup('fit') first (the Trainer does)"
+            )
+        return data
+
     def train_dataloader(self) -> ResumableDataLoader:
         hp = self.hparams
-        dataset = WindowDataset(self.train_data, self._windows(self.train_data), hp.seq_len)
+        data = self._split("train")
+        dataset = WindowDataset(data, self._windows(data), hp.seq_len)
         order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(hp.seed))
         trainer = self.trainer  # None outside Lightning: one process
         world, rank = (trainer.world_size, trainer.global_rank) if trainer else (1, 0)
@@ -234,8 +254,9 @@ class ByteTextDataModule(L.LightningDataModule):
         return batch
 
     def val_dataloader(self) -> DataLoader:
-        starts = self._windows(self.val_data)[: self.hparams.val_windows]
-        return self._loader(WindowDataset(self.val_data, starts, self.hparams.seq_len))
+        data = self._split("val")
+        starts = self._windows(data)[: self.hparams.val_windows]
+        return self._loader(WindowDataset(data, starts, self.hparams.seq_len))
 
     def _loader(self, dataset: WindowDataset) -> DataLoader:
         return DataLoader(

@@ -20,7 +20,7 @@ import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -30,6 +30,9 @@ from lightning_sparse.integrations.lit_checkpoint import load_lit_checkpoint
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
 from lightning_sparse.models.llama import Llama
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["FORMATS", "export", "load_lit_checkpoint"]
 
@@ -131,7 +134,7 @@ def export(
 
 
 def _write(
-    path: Path, hf_model: nn.Module, state: dict[str, Any], fmt: str, tokenizer: Any
+    path: Path, hf_model: PreTrainedModel, state: dict[str, Any], fmt: str, tokenizer: Any
 ) -> None:
     hf_model.save_pretrained(path, state_dict=state)
     _add_transformers4_fields(path / "config.json")
@@ -160,7 +163,8 @@ def _guard(step: Any, output: Path) -> Any:
             fix = "choose an output in a directory you can write to"
         else:
             fix = "check the path and the disk, then run the export again"
-        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        filename = getattr(err, "filename", None)
+        where = f" ({filename})" if filename else ""
         raise OSError(
             f"export to {str(output)!r} failed{where}: {text[:300]}; {fix}. Anything already at "
             "that path was left as it was"
@@ -183,7 +187,7 @@ def _add_transformers4_fields(config_path: Path) -> None:
         config_path.write_text(json.dumps({**config, **extra}, indent=2, sort_keys=True) + "\n")
 
 
-def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
+def _to_hf(model: nn.Module) -> tuple[PreTrainedModel, dict[str, Any]]:
     """(a ``transformers`` model to save with, its mask-free state dict)."""
     while isinstance(model, (LitCausalLM, HFCausalLM)):
         model = model.model
@@ -192,12 +196,13 @@ def _to_hf(model: nn.Module) -> tuple[nn.Module, dict[str, Any]]:
 
         hf_model = to_hf_llama(model, strip_masks(model))
         return hf_model, strip_masks(hf_model)
+    from transformers import PreTrainedModel
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = getattr(model, "config", None)
-    names = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", None), ())
-    names = (names,) if isinstance(names, str) else names
-    if type(model).__name__ not in names or not hasattr(model, "save_pretrained"):
+    found = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(str(getattr(config, "model_type", "")), ())
+    names = (found,) if isinstance(found, str) else tuple(found)
+    if type(model).__name__ not in names or not isinstance(model, PreTrainedModel):
         raise ValueError(
             f"cannot export a {type(model).__name__}: AutoModelForCausalLM would not load it "
             "back; pass a transformers causal LM (e.g. LlamaForCausalLM, not "

@@ -194,7 +194,7 @@ class SparsityTrainerCallback(TrainerCallback):
         ``args.resume_from_checkpoint`` if set, else ``<output_dir>/checkpoint-<global step>``
         (``resume_from_checkpoint=True`` or a path in the output directory)."""
         folder = args.resume_from_checkpoint or os.path.join(
-            args.output_dir, f"checkpoint-{state.global_step}"
+            _output_dir(args), f"checkpoint-{state.global_step}"
         )
         path = os.path.join(folder, STATE_FILE)
         if not os.path.isfile(path):
@@ -240,7 +240,7 @@ class SparsityTrainerCallback(TrainerCallback):
         """Write the algorithm state (masks included) next to the Trainer's checkpoint files."""
         if not state.is_world_process_zero or self.sparsity.root is None:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = os.path.join(_output_dir(args), f"checkpoint-{state.global_step}")
         if not os.path.isdir(folder):
             raise FileNotFoundError(
                 f"the Trainer saved no {folder} (hyper-parameter search runs "
@@ -262,6 +262,17 @@ def _saved_shapes(saved: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The torch optimizer inside wrappers (Accelerate's ``AcceleratedOptimizer``), whose step
     hooks run when the wrapper steps."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    while isinstance(inner, torch.optim.Optimizer):
+        optimizer, inner = inner, getattr(inner, "optimizer", None)
     return optimizer
+
+
+def _output_dir(args: TrainingArguments) -> str:
+    """``args.output_dir``, which ``TrainingArguments`` fills in when not given."""
+    if args.output_dir is None:
+        raise ValueError(
+            "TrainingArguments.output_dir is None: SparsityTrainerCallback saves its state in "
+            "the Trainer's checkpoint folders; pass output_dir="
+        )
+    return args.output_dir

@@ -16,12 +16,14 @@ The weight names are transformers' minus its ``model.`` prefix (``lm_head.weight
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from lightning_sparse.models.llama import Llama, LlamaConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["hf_llama_config", "hf_llama_name", "to_hf_llama"]
 
@@ -54,7 +56,7 @@ def hf_llama_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> Any
     return transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.dim,
-        intermediate_size=cfg.ffn_hidden,
+        intermediate_size=cfg.ffn_width,
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads,
@@ -75,7 +77,7 @@ def hf_llama_config(cfg: LlamaConfig, dtype: torch.dtype = torch.float32) -> Any
     )
 
 
-def to_hf_llama(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> nn.Module:
+def to_hf_llama(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> PreTrainedModel:
     """A new `transformers.LlamaForCausalLM` holding ``state_dict`` (``model``'s, mask-free).
 
     Args:
@@ -106,6 +108,8 @@ def to_hf_llama(model: Llama, state_dict: Mapping[str, torch.Tensor]) -> nn.Modu
             f"{missing[:5]}, unexpected {extra[:5]}, wrong shape {wrong[:5]}): a layer was "
             "replaced or added (biases, adapters); export only the plain lightning_sparse Llama"
         )
-    hf_model = transformers.LlamaForCausalLM(hf_config).to(dtype)
+    # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to), which typeshed
+    # types as the unbound function (its first parameter `self`): a false positive.
+    hf_model = transformers.LlamaForCausalLM(hf_config).to(dtype)  # type: ignore[arg-type]
     hf_model.load_state_dict(renamed, strict=True)
     return hf_model.eval()

@@ -67,9 +67,9 @@ class ServedModel:
     @property
     def max_positions(self) -> int:
         """The longest sequence the model takes."""
-        config = self.model.config
         if isinstance(self.model, Llama):
-            return config.max_seq_len
+            return self.model.config.max_seq_len
+        config = getattr(self.model, "config", None)
         return int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
 
     def held_bytes(self) -> int:
@@ -122,12 +122,20 @@ class ServedModel:
             return generate(
                 self.model, ids, max_new_tokens, self.max_positions, temperature, top_k, generator
             )
+        from transformers import GenerationMixin
+
+        model = self.model
+        if not isinstance(model, GenerationMixin):
+            raise TypeError(
+                f"ServedModel.model is a {type(model).__name__}, neither this package's Llama nor "
+                "a transformers causal LM (GenerationMixin); load it with load_on_wse"
+            )
         if ids.shape[1] + max_new_tokens > self.max_positions:
             raise ValueError(
                 f"{ids.shape[1]} prompt tokens + max_new_tokens={max_new_tokens} exceed the "
                 f"model's {self.max_positions} positions; shorten the prompt or generate fewer"
             )
-        config = self.model.generation_config
+        config = model.generation_config
         options: dict[str, Any] = {"do_sample": temperature > 0, "max_new_tokens": max_new_tokens}
         if temperature > 0:
             options.update(temperature=temperature, top_k=top_k or 0, top_p=1.0)
@@ -137,9 +145,7 @@ class ServedModel:
             eos = config.eos_token_id
             options["pad_token_id"] = (eos[0] if isinstance(eos, list) else eos) or 0
         with torch.no_grad():
-            return self.model.generate(
-                input_ids=ids, attention_mask=torch.ones_like(ids), **options
-            )
+            return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **options)
 
     def describe(self) -> str:
         """One line: what runs in CSR and the memory it holds."""
@@ -260,10 +266,10 @@ def _install(
             value = nn.Parameter(value, requires_grad=False)
         for owner in owners:  # a tied parameter: one object under every name
             module_name, _, attr = owner.rpartition(".")
-            slots = model.get_submodule(module_name)._parameters
-            if not isinstance(meta, nn.Parameter):
-                slots = model.get_submodule(module_name)._buffers
-            slots[attr] = value
+            if isinstance(value, nn.Parameter):
+                model.get_submodule(module_name)._parameters[attr] = value
+            else:
+                model.get_submodule(module_name)._buffers[attr] = value
     if missing:
         raise ValueError(
             f"{tensors.name} has no tensor for {missing[:5]} ({len(missing)} missing): the "
@@ -295,11 +301,14 @@ def _compact(
     """``module``'s `CSRLinear` read from the file, or (None, the weight if read) where the
     weight stays dense (too dense for CSR to pay; not in the file: the caller reports it)."""
     transposed = is_hf_conv1d(module)  # stored [in, out]
-    expected = tuple(module.weight.shape)
+    weight = module.weight
+    if not isinstance(weight, Tensor) or weight.ndim != 2:
+        raise TypeError(f"{key!r}: {type(module).__name__}.weight is not a matrix")
+    expected: tuple[int, int] = (weight.shape[0], weight.shape[1])
     bias_key = key[: -len("weight")] + "bias"
     if group is not None:
         shape_key, values_key = f"{group}.shape", f"{group}.compressed"
-        shape = tuple(int(n) for n in tensors.read(shape_key).tolist())
+        shape = _matrix_shape(tensors, shape_key)
         _check_shape(tensors.name, shape_key, shape, expected)
         (nnz,), values_dtype = tensors.shapes[values_key]
         if not runs_in_csr(shape[::-1] if transposed else shape, nnz, values_dtype.itemsize):
@@ -332,11 +341,12 @@ def _compact(
 
 
 def _read_bias(module: nn.Module, key: str, tensors: TensorFile, used: set[str]) -> Tensor | None:
-    if module.bias is None:
+    bias = module.bias
+    if not isinstance(bias, Tensor):  # None: the layer has no bias
         return None
     if key not in tensors.shapes:
         raise ValueError(f"{tensors.name} has no tensor for {key!r}")
-    _check_shape(tensors.name, key, tensors.shapes[key][0], tuple(module.bias.shape))
+    _check_shape(tensors.name, key, tensors.shapes[key][0], tuple(bias.shape))
     used.add(key)
     return tensors.read(key)
 
@@ -351,7 +361,7 @@ def _read_dense(
         _check_shape(tensors.name, key, tensors.shapes[key][0], expected)
         used.add(key)
         return tensors.read(key)
-    shape = tuple(int(n) for n in tensors.read(f"{group}.shape").tolist())
+    shape = _matrix_shape(tensors, f"{group}.shape")
     _check_shape(tensors.name, f"{group}.shape", shape, expected)
     bitmask, values = tensors.read(f"{group}.bitmask"), tensors.read(f"{group}.compressed")
     kept = unpack_bitmask(bitmask, shape)
@@ -364,6 +374,18 @@ def _read_dense(
     weight[kept] = values
     used.update(f"{group}.{p}" for p in ("shape", "compressed", "bitmask", "row_offsets"))
     return weight
+
+
+def _matrix_shape(tensors: TensorFile, key: str) -> tuple[int, int]:
+    """The ``[rows, cols]`` a compressed group's ``.shape`` tensor records (only matrices are
+    compressed)."""
+    shape = [int(n) for n in tensors.read(key).flatten().tolist()]
+    if len(shape) != 2:
+        raise ValueError(
+            f"{tensors.name}: {key!r} is {shape}, not the [rows, cols] of a compressed matrix; "
+            "the file is damaged: export the model again"
+        )
+    return shape[0], shape[1]
 
 
 def _check_shape(where: str, key: str, got: tuple[int, ...], expected: tuple[int, ...]) -> None:

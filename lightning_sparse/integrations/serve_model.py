@@ -24,7 +24,7 @@ import dataclasses
 import inspect
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch import nn
 from lightning_sparse.integrations.serve_files import CheckpointFile, SafetensorsDir, TensorFile
 from lightning_sparse.models.lit_lm import LitCausalLM
 from lightning_sparse.models.llama import Llama, LlamaConfig, rope_tables
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["FIX", "describe"]
 
@@ -103,7 +106,7 @@ def _from_checkpoint(path: Path) -> tuple[nn.Module, TensorFile]:
         )
     recipe_model = _recipe_model(path)
     if recipe_model is None:
-        model = _llama_skeleton(hparams, str(path))
+        model: nn.Module = _llama_skeleton(hparams, str(path))
         return model, CheckpointFile(path, checkpoint["state_dict"], "model.")
     if not isinstance(recipe_model, dict) or recipe_model.get("class_path") not in _HF_CLASSES:
         raise ValueError(
@@ -131,13 +134,13 @@ def _recipe_model(ckpt: Path) -> Any:
 
 
 # ----------------------------------------------------------------------------------- skeletons
-def _hf_skeleton(config: Any, where: str) -> nn.Module:
+def _hf_skeleton(config: Any, where: str) -> PreTrainedModel:
     """The ``transformers`` causal LM of ``config`` on the meta device, non-persistent buffers
     computed on the CPU."""
     import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    allowed = set()
+    allowed: set[str] = set()
     for names in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
         allowed.update((names,) if isinstance(names, str) else names)
     architecture = (getattr(config, "architectures", None) or [None])[0]

@@ -71,7 +71,10 @@ _CALLBACKS: dict[type, type] = {
 
 def configure(config: ConfigType) -> Group | None:
     """`lightning_sparse.core.configure`, building Lightning callbacks (plain loops work too)."""
-    return core.configure(config, group_class=Group, resolve=lambda cls: _CALLBACKS.get(cls, cls))
+    group = core.configure(config, group_class=Group, resolve=lambda cls: _CALLBACKS.get(cls, cls))
+    if group is not None and not isinstance(group, Group):  # core.configure built group_class
+        raise TypeError(f"configure built a {type(group).__name__}, not the callback Group")
+    return group
 
 
 class ModelZooSparsity(Group):

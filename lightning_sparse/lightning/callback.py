@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import pickle
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -72,6 +72,26 @@ class SparsityStateCallback(pl.Callback):
 class SparsityCallback(SparsityStateCallback):
     """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
 
+    if TYPE_CHECKING:  # The algorithm's (or Group's) API that the hooks below call.
+        name: str
+        root: torch.nn.Module | None
+        lightning_driven: bool
+        check_finite: bool
+        unlogged_update: bool
+        last_update: dict[str, dict[str, torch.Tensor]]
+        state_key: str
+
+        @property
+        def optimizers(self) -> list[torch.optim.Optimizer]: ...
+        @property
+        def sparse_params(self) -> Mapping[str, Any]: ...
+        def check_range(self, horizon: int) -> None: ...
+        def apply(self, obj: torch.nn.Module | torch.optim.Optimizer) -> None: ...
+        def detach_optimizer(self, optimizer: torch.optim.Optimizer) -> None: ...
+        def before_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+        def overall_sparsity(self) -> tuple[float, torch.Tensor]: ...
+        def itop_rate(self) -> torch.Tensor: ...
+
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Sparsify the LightningModule (once) and check the schedules up to ``max_steps``; first
         let the accelerator refuse the run (`check_accelerator`), so a refusal prunes nothing.
@@ -110,11 +130,14 @@ class SparsityCallback(SparsityStateCallback):
         ``sparsity/`` or, with several sparsity callbacks, ``sparsity/<position>/``: positions,
         not ``name`` (a process-wide counter), so a recipe gives the same keys in every run."""
         # A workflow (IterativePruning, VariableSPDF) drives its algorithm from its own hooks.
-        drivers = [getattr(c, "algorithm", c) for c in trainer.callbacks]
+        # Trainer.callbacks and .log_every_n_steps are set by Lightning's connectors, undeclared
+        # on the class: mypy finds no such attributes.
+        drivers = [getattr(c, "algorithm", c) for c in trainer.callbacks]  # type: ignore[attr-defined]
         callbacks = [c for c in drivers if isinstance(c, SparsityCallback)]
         index = next((i for i, c in enumerate(callbacks) if c is self), None)
         several = len(callbacks) > 1 and index is not None
         prefix = f"sparsity/{index}" if several else "sparsity"
+        # self is the algorithm (or Group) this class is mixed into.
         hparams = sparsity_hparams(self, prefix)  # type: ignore[arg-type]
         for logger in trainer.loggers:
             logger.log_hyperparams(hparams)  # loggers act on rank zero only
@@ -134,10 +157,12 @@ class SparsityCallback(SparsityStateCallback):
         A value given to ``log_dict`` costs a host sync (Lightning's ``.item()``) and a float
         one a host-to-device copy, so the per-parameter figures are read to the host in one
         transfer and go to the loggers directly; ``log_dict`` gets a fixed handful."""
-        if not self.sparse_params or trainer.global_step % max(trainer.log_every_n_steps, 1):
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # (see _log_hparams)
+        if not self.sparse_params or trainer.global_step % max(every, 1):
             return
         target, actual = self.overall_sparsity()
-        several = sum(isinstance(c, SparsityCallback) for c in trainer.callbacks) > 1
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]  # (see _log_hparams)
+        several = sum(isinstance(c, SparsityCallback) for c in callbacks) > 1
         prefix = f"sparsity/{self.name}" if several else "sparsity"
         metrics: dict[str, float | torch.Tensor] = {
             f"{prefix}/target": target,
@@ -173,24 +198,25 @@ def check_resumable(trainer: pl.Trainer, path: str | os.PathLike[str]) -> None:
     Lightning's own loading, which reports it.
     """
     try:
-        checkpoint = pl_load(path, map_location="cpu", weights_only=True)
+        checkpoint = pl_load(os.fspath(path), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, OSError, RuntimeError, EOFError):
         return
     if not isinstance(checkpoint, Mapping):
         return
-    for callback in trainer.callbacks:
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # (see _log_hparams)
         if not isinstance(callback, SparsityCallback) or callback.root is not None:
             continue
         state = find_sparsity_state(checkpoint, callback.state_key, path)
         if state is None:  # an earlier version's layout: under checkpoint["callbacks"]
             state = (checkpoint.get("callbacks") or {}).get(callback.state_key)
         if state is not None:
+            # The algorithm's or Group's (their signatures differ, so the mixin declares none).
             callback.check_state_dict(state)  # type: ignore[attr-defined]
 
 
 def find_sparsity_state(
     checkpoint: Mapping[str, Any], key: str, path: object = None
-) -> Mapping[str, Any] | None:
+) -> dict[str, Any] | None:
     """The state `save_sparsity_state` saved for callback ``key``; None when there is none, or
     when an earlier version saved it under ``checkpoint["callbacks"]`` (Lightning passes that
     one to ``load_state_dict`` itself).

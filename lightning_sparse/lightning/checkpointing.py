@@ -37,7 +37,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 try:
     import fcntl
 except ImportError:  # Windows: an open file cannot be deleted, which protects a live writer
-    fcntl = None  # type: ignore[assignment]
+    fcntl = None  # type: ignore[assignment]  # the module's absence, checked where it is used
 
 __all__ = ["AtomicCheckpointIO", "remove_stale_temporaries"]
 

@@ -151,7 +151,9 @@ class FlopCounter(pl.Callback):
     ) -> None:
         """Charge the batch to its segment; log the totals."""
         self.meter.batch_end(trainer)
-        if trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        # Trainer.log_every_n_steps is set by Lightning's logger connector, undeclared on the class.
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if trainer.global_step % max(every, 1) == 0:
             t = self.summary()
             metrics = {
                 "flop_counter/train": float(t["flops"]),

@@ -123,11 +123,10 @@ class FlopMeter:
         self.seq_len_seen = seq_len
         rows = sparsity_report(pl_module, masked_only=True).rows
         for name, row in rows.items():
-            self.ever_masked[name] = int(row["numel"])  # type: ignore[arg-type]
+            self.ever_masked[name] = row["numel"]
         total = sum(self.ever_masked.values())
         kept = sum(
-            int(rows[n]["nonzeros"]) if n in rows else numel  # type: ignore[arg-type]
-            for n, numel in self.ever_masked.items()
+            rows[n]["nonzeros"] if n in rows else numel for n, numel in self.ever_masked.items()
         )
         return BatchCost.of(self.report, 1.0 - kept / total if total else 0.0)
 
@@ -197,7 +196,15 @@ def lm_flops(
     """``model_flops`` of ``module`` with attention terms from its ``config`` (`attention_dims`:
     ``LlamaConfig`` or a Hugging Face config; left out when none is found) and Conv2d layers at
     ``conv_positions`` (``{name: H_out * W_out}``, recorded from the forward)."""
-    return model_flops(module, seq_len, **attention_dims(module), conv_positions=conv_positions)
+    dims = attention_dims(module)
+    return model_flops(
+        module,
+        seq_len,
+        n_layers=dims.get("n_layers"),
+        d_model=dims.get("d_model"),
+        n_heads=dims.get("n_heads"),
+        conv_positions=conv_positions,
+    )
 
 
 def mask_names(model: nn.Module) -> tuple[str, ...]:
@@ -219,8 +226,9 @@ def attention_dims(module: nn.Module) -> dict[str, int]:
         config = getattr(sub, "config", None)
         for names in _CONFIG_NAMES:
             values = [getattr(config, n, None) for n in names]
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                return dict(zip(("n_layers", "d_model", "n_heads"), values, strict=True))
+            ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+            if len(ints) == len(values):
+                return dict(zip(("n_layers", "d_model", "n_heads"), ints, strict=True))
     return {}
 
 

@@ -86,5 +86,6 @@ class SparseLoadingMixin:
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Register the checkpoint's masks (`restore_checkpoint_masks`), then the next hook."""
+        # self is the LightningModule this is mixed into, whose hook super() reaches next.
         restore_checkpoint_masks(self, checkpoint)  # type: ignore[arg-type]
         super().on_load_checkpoint(checkpoint)  # type: ignore[misc]

@@ -173,7 +173,9 @@ class SparseRunSummary(pl.Callback):
         step = trainer.global_step
         if step == self._step_at_batch_start:
             return  # accumulating gradients: no optimizer step yet
-        if step % max(trainer.log_every_n_steps, 1) == 0:
+        # Trainer.log_every_n_steps and .datamodule are set by Lightning's connectors, undeclared
+        # on the class: mypy finds no such attributes.
+        if step % max(trainer.log_every_n_steps, 1) == 0:  # type: ignore[attr-defined]
             loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             if isinstance(loss, Tensor):
                 self.train_curve.append([step, float(loss)])
@@ -304,7 +306,7 @@ class SparseRunSummary(pl.Callback):
                 "step": step,
                 "loss": loss,
                 "ppl": float(ppl) if ppl is not None and loss is not None else _exp(loss),
-                "unigram_loss": _unigram_of(trainer.datamodule),
+                "unigram_loss": _unigram_of(trainer.datamodule),  # type: ignore[attr-defined]
                 "key": key,
                 "looked_for": self.monitor_keys(trainer),
                 "runs": self.val_runs,

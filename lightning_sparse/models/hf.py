@@ -83,7 +83,7 @@ class HFCausalLM(nn.Module):
             self.model = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=dtype
             )
-        else:
+        elif config is not None:  # always, given the exactly-one check above
             self.model = AutoModelForCausalLM.from_config(load_config(config), dtype=dtype)
         self.model.train()  # from_pretrained returns eval mode; Lightning will not undo it
         self.config = self.model.config  # read by SparseRunSummary for the attention FLOPs

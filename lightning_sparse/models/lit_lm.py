@@ -7,6 +7,7 @@ so LightningCLI can configure it from YAML and checkpoints hold only plain Pytho
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
@@ -16,6 +17,10 @@ from torchmetrics import MeanMetric
 
 from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+    from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -50,6 +55,12 @@ class LitCausalLM(L.LightningModule):
         min_lr_ratio: Final learning rate as a fraction of `lr`.
         max_new_tokens, temperature, top_k: Sampling settings of `predict_step`.
     """
+
+    if TYPE_CHECKING:
+        # save_hyperparameters() makes hparams an AttributeDict (read as hp.lr); Lightning
+        # declares the wider MutableMapping.
+        @property
+        def hparams(self) -> AttributeDict: ...
 
     def __init__(
         self,
@@ -138,11 +149,12 @@ class LitCausalLM(L.LightningModule):
         which then restores the masks itself)."""
         restore_checkpoint_masks(self, checkpoint)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW with decay on matrices only, and a per-step warmup-cosine LambdaLR."""
         hp = self.hparams
         embeddings = {id(m.weight) for m in self.model.modules() if isinstance(m, nn.Embedding)}
-        decay, no_decay = [], []
+        decay: list[nn.Parameter] = []
+        no_decay: list[nn.Parameter] = []
         for p in self.model.parameters():  # shared (tied) tensors appear once
             if not p.requires_grad:
                 continue

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,22 +64,33 @@ class LlamaConfig:
         if (self.dim // self.n_heads) % 2 != 0:
             raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for rotary")
         if self.ffn_hidden is None:
-            hidden = int(8 * self.dim / 3)
-            self.ffn_hidden = self.multiple_of * math.ceil(hidden / self.multiple_of)
+            self.ffn_hidden = self.ffn_width
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
+    @property
+    def kv_heads(self) -> int:
+        """`n_kv_heads` resolved: `n_heads` where it is None."""
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def ffn_width(self) -> int:
+        """`ffn_hidden` resolved: 8/3 * dim rounded up to `multiple_of` where it is None."""
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return self.multiple_of * math.ceil(int(8 * self.dim / 3) / self.multiple_of)
+
     @classmethod
-    def from_preset(cls, name: str, **overrides: object) -> LlamaConfig:
+    def from_preset(cls, name: str, **overrides: Any) -> LlamaConfig:
         """Builds a named preset (see `PRESETS`), with keyword overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown Llama preset {name!r}; choose one of {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
 
 
-PRESETS: dict[str, dict[str, object]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     # For unit tests: GQA on, a few thousand parameters per layer.
     "tiny": dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
     # Default: about 3.2M parameters; trains on a laptop CPU in minutes.
@@ -125,10 +137,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(
@@ -169,9 +181,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+        self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_width, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.ffn_width, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_width, cfg.dim, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         """x: [B, T, dim] -> [B, T, dim]."""
@@ -208,7 +220,7 @@ class KVCache:
     def __init__(
         self, cfg: LlamaConfig, batch: int, dtype: torch.dtype, device: torch.device | str,
     ) -> None:  # fmt: skip
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+        shape = (cfg.n_layers, batch, cfg.kv_heads, cfg.max_seq_len, cfg.head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
@@ -225,6 +237,9 @@ class KVCache:
 
 class Llama(nn.Module):
     """Decoder-only language model: token ids [B, T] -> next-token logits [B, T, vocab_size]."""
+
+    rope_cos: Tensor  # [max_seq_len, head_dim] buffers, registered in __init__
+    rope_sin: Tensor
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

@@ -15,6 +15,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +119,7 @@ def _autotune(
     if len(candidates) == 1:
         return candidates[0]
     generator = torch.Generator(device=x.device).manual_seed(0)
-    kwargs = {"device": x.device, "dtype": x.dtype, "generator": generator}
+    kwargs: dict[str, Any] = {"device": x.device, "dtype": x.dtype, "generator": generator}
     xs = torch.randn(tokens, csr.shape[1], **kwargs).requires_grad_(requires_grad)
     ws = torch.randn(csr.shape, **kwargs).requires_grad_(requires_grad)
     times: dict[str, list[float]] = {p: [] for p in candidates}

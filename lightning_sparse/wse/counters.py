@@ -57,6 +57,8 @@ class DenseCounter:
         if executor is None or not torch.is_tensor(y):
             return
         weight = module.weight
+        if not isinstance(weight, Tensor):  # a Linear's: always a Tensor
+            return
         positions = y.numel() // y.shape[-3] if y.ndim >= 3 else 0
         numel = weight.numel()
         x = inputs[0] if inputs and torch.is_tensor(inputs[0]) else None

@@ -95,11 +95,14 @@ class CSRWeight:
                 f"a {out_features}x{in_features} weight is too large for int32 CSR indices"
             )
         crow, cols, t_crow, t_col, t_perm = _indices(mask.detach(), compiled)
-        if not transpose:
-            t_crow = t_col = t_perm = None
-        if not permutation:
-            t_perm = None
-        return cls((out_features, in_features), crow, cols, t_crow, t_col, t_perm)
+        return cls(
+            (out_features, in_features),
+            crow,
+            cols,
+            t_crow if transpose else None,
+            t_col if transpose else None,
+            t_perm if transpose and permutation else None,
+        )
 
     @property
     def nnz(self) -> int:

@@ -61,6 +61,12 @@ class CSRLinear(nn.Module):
         bias: optional `[out]`.
     """
 
+    # The buffers registered in __init__.
+    crow_indices: Tensor
+    col_indices: Tensor
+    values: Tensor
+    bias: Tensor | None
+
     def __init__(
         self,
         shape: tuple[int, int],
@@ -158,7 +164,7 @@ class CSRLinear(nn.Module):
                 done(block)
                 yield kept
 
-        return cls._build(tuple(w.shape), kept_blocks(), values, bias, False, None)
+        return cls._build((w.shape[0], w.shape[1]), kept_blocks(), values, bias, False, None)
 
     @classmethod
     def _build(

@@ -112,10 +112,10 @@ def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
 
 
 # Hugging Face Conv1D class -> its device subclass.
-_WSE_CONV1D: dict[type, type] = {}
+_WSE_CONV1D: dict[type[nn.Module], type[nn.Module]] = {}
 
 
-def _wse_conv1d_class(base: type) -> type:
+def _wse_conv1d_class(base: type[nn.Module]) -> type[nn.Module]:
     """The device subclass of an HF ``Conv1D`` class (made once): same name and module, its
     ``forward`` runs `_execute`; pickled and copied as ``base``, so copies carry no executor."""
     cls = _WSE_CONV1D.get(base)
@@ -131,11 +131,14 @@ def _wse_conv1d_class(base: type) -> type:
             return base.forward(self, input) if y is None else y
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
-            rv = super(cls, self).__reduce_ex__(protocol)  # (rebuild, (cls, ...), state, ...)
+            # (rebuild, (cls, ...), state, ...)
+            rv = super(_WSE_CONV1D[base], self).__reduce_ex__(protocol)
             state = without_fast(rv[2]) if isinstance(rv[2], dict) else rv[2]
-            return (copyreg._reconstructor, (base, object, None), state, *rv[3:])
+            # copyreg._reconstructor (object.__reduce_ex__ returns it) is private: not in typeshed.
+            rebuild = copyreg._reconstructor  # type: ignore[attr-defined]
+            return (rebuild, (base, object, None), state, *rv[3:])
 
-        namespace = {"forward": forward, "__reduce_ex__": __reduce_ex__}
+        namespace: dict[str, Any] = {"forward": forward, "__reduce_ex__": __reduce_ex__}
         namespace.update(__module__=base.__module__, __qualname__=base.__qualname__)
         cls = _WSE_CONV1D[base] = type(base.__name__, (base,), namespace)
     return cls
@@ -238,8 +241,9 @@ class WSEExecutor:
         for module in list(self._layers):
             if _owner(module) is self:
                 STATE.pop(module).fast = None
-                if _on_device(module):
-                    module.__class__ = type(module).__base__
+                base = type(module).__base__  # nn.Linear, or the HF Conv1D class
+                if _on_device(module) and base is not None and issubclass(base, nn.Module):
+                    module.__class__ = base
         self._layers = weakref.WeakSet()
         for handle in list(self._dense_hooks.values()):
             handle.remove()
@@ -366,5 +370,5 @@ register_masks = restore_masks
 
 
 def _owner(module: nn.Module) -> WSEExecutor | None:
-    state = STATE.get(module)
-    return None if state is None else state.executor
+    executor = None if (state := STATE.get(module)) is None else state.executor
+    return executor if isinstance(executor, WSEExecutor) else None

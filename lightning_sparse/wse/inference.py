@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from lightning_sparse.core.sparse_parameter import mask_buffer_name
 from lightning_sparse.wse.autotune import resolve_path
 from lightning_sparse.wse.csr import CSRWeight
+from lightning_sparse.wse.layer_tensors import bias_of, weight_of
 from lightning_sparse.wse.ops import inference_runner
 from lightning_sparse.wse.stats import WSEStats
 
@@ -47,8 +48,10 @@ class InferenceExecutor(Protocol):
     them)."""
 
     path: str | None
-    inference_dtype: torch.dtype | None
     stats: WSEStats
+
+    @property
+    def inference_dtype(self) -> torch.dtype | None: ...  # read-only: the executor's is set
 
 
 class InferenceLayer(Protocol):
@@ -56,7 +59,9 @@ class InferenceLayer(Protocol):
     the kept values as inference holds them, the key they were gathered under (structure,
     weight or values version, bias), the runner per token count and the fast path."""
 
-    executor: InferenceExecutor
+    @property
+    def executor(self) -> InferenceExecutor: ...  # read-only: a LayerState's is a wider type
+
     values: Tensor | None
     values_key: tuple[CSRWeight, int, Tensor | None] | None
     runners: dict[int, RunnerEntry]
@@ -91,7 +96,9 @@ def infer(
     in_features = csr.shape[1]
     if x.dim() == 0 or x.shape[-1] != in_features:
         raise ValueError(f"x must be [..., {in_features}], got shape {tuple(x.shape)}")
-    param, buffer, bias = module.weight, module._buffers[MASK], module.bias
+    param, buffer, bias = weight_of(module), module._buffers[MASK], bias_of(module)
+    if buffer is None:  # the layer runs in CSR only while it has a mask
+        raise RuntimeError(f"infer: {type(module).__name__} has no {MASK} buffer")
     weight, mask = state.out_in(param), state.out_in(buffer)  # [out, in] views
     if weight.is_inference():  # no version counter to key a cache on
         path = resolve_path(x, weight, csr, state.executor.path, requires_grad=False)

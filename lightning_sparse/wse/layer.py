@@ -30,6 +30,7 @@ from lightning_sparse.wse.counters import BackwardCounter
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.inference import FAST, MASK, FastInference, infer, infer_compact
 from lightning_sparse.wse.kernels import sparse_linear
+from lightning_sparse.wse.layer_tensors import bias_of, weight_of
 from lightning_sparse.wse.ops import CompactDenseWeightGrad, DenseWeightGrad, run_compact_path
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
 
@@ -39,9 +40,11 @@ class Executor(Protocol):
     not import the executor, which imports it)."""
 
     path: str | None
-    inference_dtype: torch.dtype | None
     stats: WSEStats
     compact: CompactLayers | None
+
+    @property
+    def inference_dtype(self) -> torch.dtype | None: ...  # read-only: the executor's is set
 
     def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]: ...
 
@@ -114,7 +117,7 @@ class LayerState:
         mask = module._buffers.get(MASK)  # the buffer itself, the cache key
         if self.compact is not None and not self._compact_current(module, mask):
             self.decompact()  # mask or weight changed under the compact form
-        weight, bias = self.out_in(module.weight), module.bias  # weight [out, in]
+        weight, bias = self.out_in(weight_of(module)), bias_of(module)  # weight [out, in]
         if mask is None:
             if self.csr is not None:  # densified: forget the structure
                 self.csr, self.mask = None, None
@@ -137,7 +140,7 @@ class LayerState:
                 "dense training).",
             )
             self.decompact()
-            return F.linear(x, self.out_in(module.weight), bias)
+            return F.linear(x, self.out_in(weight_of(module)), bias)
         inference = not torch.is_grad_enabled() or not (
             weight.requires_grad or x.requires_grad or (bias is not None and bias.requires_grad)
         )
@@ -256,7 +259,7 @@ class LayerState:
 
     def _run_compact(self, x: Tensor, module: nn.Module, inference: bool) -> Tensor:
         """The forward of a compact layer: from its values, in training or inference."""
-        compact, bias = self.compact, module.bias
+        compact, bias = self.compact, bias_of(module)
         assert compact is not None
         csr = compact.csr
         tokens = x.numel() // csr.shape[1] if csr.shape[1] else 0
@@ -317,15 +320,21 @@ class LayerState:
             and (csr.t_perm is not None or not permutation)
         )
         version = version_of(mask)
-        if usable and mask is self.mask and version == self.version and version >= 0:
+        if (
+            csr is not None
+            and usable
+            and mask is self.mask
+            and version == self.version
+            and version >= 0
+        ):
             return csr
         start = time.perf_counter()
-        weight = self.out_in(module.weight.detach())
+        weight = self.out_in(weight_of(module).detach())
         built = CSRWeight.from_dense(
             weight, self.out_in(mask), transpose=transpose or permutation, permutation=permutation
         )
         seconds = time.perf_counter() - start
-        if usable and built.same_structure(csr):
+        if csr is not None and usable and built.same_structure(csr):
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the
             # structure object, so the caches keyed on it stay valid.
             self.mask, self.version = mask, version
@@ -336,7 +345,7 @@ class LayerState:
         self._find_owners(module)
         self.train_paths, self.compact_paths = {}, {}
         out_features, in_features = csr.shape
-        memory = LayerMemory.of(out_features, in_features, csr.nnz, module.weight.element_size())
+        memory = LayerMemory.of(out_features, in_features, csr.nnz, weight.element_size())
         self.executor.stats.add_rebuild(self.name, seconds, memory)
         self.executor.check_fallbacks()
         return csr

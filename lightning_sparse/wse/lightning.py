@@ -150,10 +150,12 @@ class WSEAccelerator(CPUAccelerator):
             path=self.kernel_path,
             optimizers=self._optimizers if self._compacts(trainer) else None,
         )
-        if not any(isinstance(c, WSEStatsMonitor) for c in trainer.callbacks):
+        # Trainer.callbacks is set by Lightning's callback connector, undeclared on the class.
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        if not any(isinstance(c, WSEStatsMonitor) for c in callbacks):
             self._monitor = WSEStatsMonitor(self.stats, log=self.log_stats)
             # First, so DeviceStatsMonitor's on_train_batch_end already sees the closed step.
-            trainer.callbacks.insert(0, self._monitor)
+            callbacks.insert(0, self._monitor)
         rank_zero_info(self.describe())
 
     def _compacts(self, trainer: pl.Trainer) -> bool:
@@ -183,7 +185,9 @@ class WSEAccelerator(CPUAccelerator):
             self.executor = None
         trainer = self._trainer() if self._trainer is not None else None
         if trainer is not None and self._monitor is not None:
-            trainer.callbacks = [c for c in trainer.callbacks if c is not self._monitor]
+            # Trainer.callbacks: undeclared on the class (see setup).
+            kept = [c for c in trainer.callbacks if c is not self._monitor]  # type: ignore[attr-defined]
+            trainer.callbacks = kept  # type: ignore[attr-defined]
         self._monitor, self._trainer = None, None
 
     def summary_figures(self) -> dict[str, Any]:

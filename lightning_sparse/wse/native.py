@@ -83,7 +83,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_set_tile_budgets.restype = None
     lib.ls_csr_count.argtypes = [pointer, size, size, pointer, integer]
     lib.ls_csr_count.restype = size
-    lib.ls_csr_fill.argtypes = [pointer, size, size] + [pointer] * 6 + [integer]
+    lib.ls_csr_fill.argtypes = [pointer, size, size, *[pointer] * 6, integer]
     lib.ls_csr_fill.restype = integer
     for suffix in ("f32", "f64"):
         spmm_ = getattr(lib, f"ls_spmm_{suffix}")

@@ -72,9 +72,9 @@ def inference_runner(
         values = values.float()
         if path == "dense":
             return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
-    if path == "dense" and (weight is None or mask is None):  # a compact layer: no weight
-        return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
     if path == "dense":
+        if weight is None or mask is None:  # a compact layer: no weight
+            return functools.partial(F.linear, weight=csr.to_dense(values), bias=bias)
         # Masked training keeps pruned weights at exactly 0, so the weight itself is its masked
         # copy; checked once per runner (one pass), a masked copy is kept only if it differs.
         masked = zero_pruned_(weight.detach().clone(), mask)
@@ -83,6 +83,7 @@ def inference_runner(
         return functools.partial(F.linear, weight=dense, bias=bias)  # no Python frame per call
     bias = None if bias is None else bias.detach().contiguous()
     run = csr_runner(path, csr.crow_indices, csr.col_indices, values, csr.shape, bias)
+    # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
     run.keep.append(csr)  # type: ignore[attr-defined]
     return run
 
@@ -131,6 +132,7 @@ def csr_runner(
             y2 = matmul(crow, cols, wide, x2, out_features, bias)
             return y2.reshape(*x.shape[:-1], out_features)
 
+        # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
         run_backend.keep = [crow, columns, values, bias]  # type: ignore[attr-defined]
         return run_backend
     stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
@@ -152,7 +154,7 @@ def csr_runner(
             x2 = x2.contiguous()
         tokens = x2.shape[0]
         out = x2.new_empty(tokens, out_features)
-        if tokens == 1 and spmv is not None:
+        if tokens == 1 and spmv is not None and one_token is not None:
             spmv(*one_token[0], x2.data_ptr(), bias_pointer, out_features, out.data_ptr(),
                  kernel_threads())  # fmt: skip
         else:
@@ -165,6 +167,7 @@ def csr_runner(
                  out.data_ptr(), kernel_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
 
+    # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
     run.keep = keep  # type: ignore[attr-defined]
     return run
 
@@ -205,7 +208,7 @@ class _SparseLinearFunction(torch.autograd.Function):
     """Y = X W^T + b on CSR data; gradients equal those of `F.linear(X, W * mask, b)`."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx, x2: Tensor, weight: Tensor, bias: Tensor | None, csr: CSRWeight, backend: _Backend
     ) -> Tensor:
         x2 = x2.contiguous()
@@ -234,13 +237,13 @@ class _MaskedWeight(torch.autograd.Function):
     (a bool-times-float product takes a slow type-promoting loop on the CPU)."""
 
     @staticmethod
-    def forward(ctx: Any, weight: Tensor, mask: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, weight: Tensor, mask: Tensor) -> Tensor:
         ctx.save_for_backward(mask)
         return _masked_copy(weight, mask)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         (mask,) = ctx.saved_tensors
         return _masked_copy(grad, mask), None
 
@@ -297,7 +300,7 @@ class _CSRLinearFunction(torch.autograd.Function):
     carry ``t_perm``); the value gradient is ``[nnz]``: no dense weight or gradient exists."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, x2: Tensor, values: Tensor, bias: Tensor | None, csr: CSRWeight, backend: Any
     ) -> Tensor:
         x2 = x2.contiguous()
@@ -313,7 +316,7 @@ class _CSRLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, values = ctx.saved_tensors
         return _csr_backward(
             ctx, grad_y2, x2, lambda: ctx.csr.transposed_values(values.detach()),
@@ -326,13 +329,13 @@ class _Densify(torch.autograd.Function):
     dense gradient's kept values."""
 
     @staticmethod
-    def forward(ctx: Any, values: Tensor, csr: CSRWeight) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, values: Tensor, csr: CSRWeight) -> Tensor:
         ctx.csr = csr
         return csr.to_dense(values.detach())
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         return ctx.csr.gather_values(grad), None
 
 
@@ -355,12 +358,12 @@ class DenseWeightGrad(torch.autograd.Function):
     ``grad_Y^T X`` (what `nn.Linear` computes), while ``y`` itself came from the sparse kernels."""
 
     @staticmethod
-    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, y: Tensor, x: Tensor, weight: Tensor) -> Tensor:
         ctx.save_for_backward(x)
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         grad_w = None
         if ctx.needs_input_grad[2]:
@@ -376,7 +379,7 @@ class CompactDenseWeightGrad(torch.autograd.Function):
     one beside it, and the value gradient is exactly the cpu path's masked dense gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, y: Tensor, x: Tensor, weight: Tensor, values: Tensor, csr: CSRWeight
     ) -> Tensor:
         ctx.save_for_backward(x)
@@ -384,7 +387,7 @@ class CompactDenseWeightGrad(torch.autograd.Function):
         return y.view_as(y)
 
     @staticmethod
-    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         grad_values = ctx.csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None

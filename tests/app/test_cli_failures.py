@@ -404,3 +404,18 @@ def _recording(loaded: list[Any]) -> Any:
         loaded.append(self.model)
 
     return instantiate
+
+
+@pytest.mark.parametrize("version", [(3, 10, 12), sys.version_info])
+def test_config_error_note_on_every_supported_python(
+    version: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`note_key` marks a configuration error on Python 3.10 too (requires-python), which has no
+    ``BaseException.add_note``: the note goes into ``__notes__``, where `short_error` finds it."""
+    from lightning_sparse.app import errors
+
+    monkeypatch.setattr(sys, "version_info", version)
+    err = ValueError("sparsity=1.5 must be in [0, 1)")
+    errors.note_key(err, Namespace())
+    assert [n for n in err.__notes__ if n.startswith(errors.CONFIG_ERROR_NOTE)]
+    assert "sparsity=1.5" in errors.short_error(err)

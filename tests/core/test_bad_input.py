@@ -328,3 +328,40 @@ def test_optimizer_over_foreign_parameters_raises_and_registers_nothing(foreign_
         other(torch.randn(2, 8)).sum().backward()
         optimizer.step()
     assert sparsity.step == 0, "the failed apply(optimizer) left a step hook behind"
+
+
+def test_calls_an_algorithm_cannot_answer_say_why() -> None:
+    """A drop fraction asked of an algorithm that replaces no weights, and a random mask drawn
+    before ``apply`` has resolved ``seed=None``: errors naming the rule, not a None deep inside."""
+    from lightning_sparse.core import RigL, Static
+
+    with pytest.raises(TypeError, match="Static has no drop_fraction"):
+        Static(0.8).drop_fraction_at(0)
+    with pytest.raises(RuntimeError, match=r"no seed yet \(seed=None is resolved by apply"):
+        RigL(0.8).initial_mask("w", torch.zeros(4, 4))
+
+
+def test_a_failed_attach_leaves_the_model_and_a_restored_mask_as_they_were(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All or nothing: when installing the per-step hooks fails inside ``apply``, the masks it
+    registered are removed and a mask registered earlier without an algorithm (`restore_masks`
+    of a checkpoint) is put back, bit for bit; nothing is pruned."""
+    from lightning_sparse.core.per_step import StepHooks
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.Linear(16, 4))
+    restored = torch.rand(16, 16) < 0.5
+    model[0].register_buffer("weight_mask", restored.clone())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def fail(self: StepHooks, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("no hooks today")
+
+    monkeypatch.setattr(StepHooks, "install", fail)
+    with pytest.raises(RuntimeError, match="no hooks today"):
+        Static(0.5).apply(model)
+    after = model.state_dict()
+    assert set(after) == set(before), set(after) ^ set(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    assert model[0].weight_mask is not None and torch.equal(model[0].weight_mask, restored)

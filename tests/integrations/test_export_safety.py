@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -219,3 +220,25 @@ def test_staging_directories_of_running_exports_are_not_touched(tmp_path: Path) 
     (alive / "config.json").write_text("{}")
     export(tiny(0), out)
     assert (alive / "config.json").is_file()
+
+
+def test_recover_keeps_the_set_aside_export_when_a_user_folder_stands_at_the_output(
+    tmp_path: Path,
+) -> None:
+    """An export killed between its two renames left the old export aside; then the user made
+    a folder of their own at the output. `recover` deletes the set-aside export only when the
+    output is an export (its marker): here both stay, untouched (a data-loss path otherwise)."""
+    out = tmp_path / "out"
+    export(tiny(0), out)
+    old = tmp_path / ".out.lightning_sparse-old"
+    out.rename(old)  # as the kill between the renames leaves it
+    saved = contents(old)
+    mine = user_folder(out)
+    export_dir.recover(out)
+    assert contents(old) == saved and contents(out) == mine
+    # With the new export in place instead, the set-aside one is the stale copy: deleted.
+    shutil.rmtree(out)
+    export(tiny(1), tmp_path / "new")
+    (tmp_path / "new").rename(out)
+    export_dir.recover(out)
+    assert not old.exists() and export_dir.read_marker(out) is not None

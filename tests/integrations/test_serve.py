@@ -375,3 +375,17 @@ def test_a_sharded_export_and_its_tokenizer_serve_from_the_command_line(
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
     assert f"{len(tokenizer)}-token vocabulary and no tokenizer" in bad.stderr
     assert "--tokenizer DIR" in bad.stderr
+
+
+def test_a_compressed_shape_that_is_not_a_matrix_is_refused(
+    tmp_path: Path, exports: dict[str, Path]
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = _copy(exports["compressed"], tmp_path / "t")
+    tensors = load_file(path / "model.safetensors")
+    key = "model.layers.0.mlp.up_proj.shape"
+    tensors[key] = torch.tensor([*tensors[key].tolist(), 1])
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"up_proj.shape' is \[.*, 1\], not the \[rows, cols\]"):
+        load_on_wse(path)

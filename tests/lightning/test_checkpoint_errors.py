@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
@@ -252,3 +253,19 @@ def test_failure_after_the_rename_does_not_claim_the_old_file(
     assert "previous checkpoint there is unchanged" not in str(error)
     monkeypatch.undo()
     assert torch.load(target)["step"] == 2
+
+
+@pytest.mark.parametrize("unsaveable", ["lambda", "interrupt"])
+def test_a_checkpoint_that_cannot_be_serialised_leaves_the_old_one_and_no_temporary(
+    target: Path, monkeypatch: pytest.MonkeyPatch, unsaveable: str
+) -> None:
+    """A failure that is not about the file (a value pickle refuses; Ctrl-C mid-write) goes up
+    as it is, with the old checkpoint intact and the partial temporary file removed."""
+    if unsaveable == "lambda":
+        with pytest.raises((AttributeError, TypeError, pickle.PicklingError)):
+            AtomicCheckpointIO().save_checkpoint({"step": 2, "f": lambda: 0}, target)
+    else:
+        monkeypatch.setattr(torch, "save", torch_save_raising(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            AtomicCheckpointIO().save_checkpoint({"step": 2, "w": torch.zeros(1000)}, target)
+    assert_old_checkpoint_intact(target)

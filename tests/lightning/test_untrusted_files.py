@@ -132,3 +132,25 @@ def test_plain_checkpoints_load_and_other_files_are_named(tmp_path: Path) -> Non
         load_torch_file(tmp_path / "notes.txt")
     with pytest.raises(FileNotFoundError, match=r"'.*missing.ckpt' is not a file"):
         load_torch_file(tmp_path / "missing.ckpt")
+
+
+@pytest.mark.parametrize("trust_file", [False, True])
+def test_a_checkpoint_saved_on_a_gpu_loads_on_the_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, trust_file: bool
+) -> None:
+    """A file written on a GPU machine records its tensors' device (``cuda:0``); read without
+    ``map_location`` it fails here (no CUDA) or lands on the GPU. `load_torch_file` reads it onto
+    the CPU. The file is made as a GPU run writes it: torch.save, with every storage's location
+    tag saying ``cuda:0``."""
+    import torch.serialization as serialization
+
+    monkeypatch.setattr(serialization, "location_tag", lambda storage: "cuda:0")
+    path = tmp_path / "gpu.ckpt"
+    state = {"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 3}
+    torch.save(state, path)
+    monkeypatch.undo()
+    assert b"cuda:0" in path.read_bytes()  # the file says where its tensors were
+    loaded = load_torch_file(path, trust_file=trust_file)
+    weight = loaded["state_dict"]["w"]
+    assert weight.device.type == "cpu" and torch.equal(weight, state["state_dict"]["w"])
+    assert loaded["step"] == 3

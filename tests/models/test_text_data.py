@@ -130,3 +130,12 @@ def test_errors_name_the_problem(tmp_path: Path):
     short.write_text("tiny")
     with pytest.raises(ValueError, match="seq_len"):
         make_dm(paths=[str(single)], val_paths=[str(short)])
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_loader_before_setup_says_to_call_setup(split: str):
+    # Before setup() has read the corpus the loaders raise an error that names the fix (it was a
+    # TypeError from len(None) deep in the window arithmetic).
+    dm = ByteTextDataModule(seq_len=32, batch_size=4, max_bytes=50_000, val_windows=8)
+    with pytest.raises(RuntimeError, match=rf"{split}_dataloader\(\) before setup\(\)"):
+        getattr(dm, f"{split}_dataloader")()

@@ -382,3 +382,32 @@ def test_iterative_pruning_levels_on_compact_layers_equal_the_cpu_path() -> None
     masks = runs["cpu"][2]
     assert len(masks) == MASKED and all(0.7 < 1 - m.float().mean() < 0.8 for m in masks.values())
     _close(runs["wse"], runs["cpu"], "run")
+
+
+def test_a_mask_change_after_the_optimizer_is_gone_prunes_the_dense_weight() -> None:
+    """`compact.rebuild` without the optimizer (collected): the layer stays dense under the new
+    mask, pruned as the cpu path prunes it: weights the new mask drops are exactly 0, kept ones
+    keep their values, grown ones start at 0."""
+    import gc
+
+    from lightning_sparse.wse import compact as compact_state
+    from lightning_sparse.wse.csr import CSRWeight
+
+    torch.manual_seed(0)
+    old_mask = torch.rand(6, 8) < 0.5
+    new_mask = old_mask.clone()
+    new_mask[0] = ~old_mask[0]  # row 0: every kept weight dropped, every pruned one grown
+    weight = torch.nn.Parameter(torch.randn(6, 8) * old_mask)
+    dense = weight.detach().clone()
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    slot = compact_state.find_slot([optimizer], weight)
+    assert slot is not None
+    csr = CSRWeight.from_dense(weight.detach(), old_mask, transpose=True, permutation=True)
+    layer = compact_state.to_compact(weight, csr, slot)
+    del optimizer, slot
+    gc.collect()
+    assert layer.optimizer() is None
+    new_csr = CSRWeight.from_dense(dense, new_mask, transpose=True, permutation=True)
+    assert compact_state.rebuild(layer, new_csr, None) is None
+    assert torch.equal(weight.detach(), dense * new_mask)
+    assert bool((weight.detach()[~new_mask] == 0).all()) and bool(old_mask[0].any())

@@ -63,3 +63,22 @@ def test_refused_precision_loads_no_weights(tmp_path) -> None:
             fit.fit(module, token_loader())
     assert not load.loaded
     assert all(torch.equal(module.state_dict()[k], v) for k, v in weights.items())
+
+
+def test_under_autocast_a_layer_falls_back_to_dense_masked_and_warns() -> None:
+    """The CSR kernels run float32/float64 without autocast; under CPU autocast a masked layer
+    runs dense instead (a warning says so), computing what masked dense training computes."""
+    from torch import nn
+
+    from lightning_sparse.wse import on_wse
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 8))
+    Static(0.7).apply(model)
+    x = torch.randn(4, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    with on_wse(model), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.warns(UserWarning, match="so this layer runs dense"):
+            y = model(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, expected)

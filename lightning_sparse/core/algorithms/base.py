@@ -177,8 +177,14 @@ class SparsityAlgorithm(ABC):
 
     def drop_fraction_at(self, step: int) -> float:
         """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
-        value = evaluate(self.drop_fraction, step, "drop_fraction")
-        return validate.drop_fraction(value, step=step, schedule=self.drop_fraction)
+        schedule = self.drop_fraction
+        if schedule is None:
+            raise TypeError(
+                f"{type(self).__name__} has no drop_fraction: only drop-and-grow algorithms "
+                "(SET, RigL, GraNet) replace weights"
+            )
+        value = evaluate(schedule, step, "drop_fraction")
+        return validate.drop_fraction(value, step=step, schedule=schedule)
 
     def horizon(self) -> int:
         """The last step known without the run's length: the cadence's or the ramp's end (the
@@ -197,13 +203,13 @@ class SparsityAlgorithm(ABC):
             if self.drop_fraction is not None:
                 self.drop_fraction_at(step)
         for what, schedule in (("sparsity", self.sparsity), ("drop_fraction", self.drop_fraction)):
-            step = (
+            undefined = (
                 None
                 if schedule is None
                 else first_undefined_use(schedule, self.update_schedule, extra)
             )
-            if step is not None:
-                evaluate(schedule, step, what)  # raises naming the step (the overflow)
+            if schedule is not None and undefined is not None:
+                evaluate(schedule, undefined, what)  # raises naming the step (the overflow)
 
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
@@ -294,7 +300,7 @@ class SparsityAlgorithm(ABC):
         training starts dense (step 0 is not an update step)."""
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
-        generator = generator_for(self.seed, 0, name, param.device)
+        generator = generator_for(self._applied_seed(), 0, name, param.device)
         dense = full(param.detach())
         in_out = name in self.in_out_params  # GPT-2 Conv1D: shapers see [out, in]
         view = dense.t() if in_out else dense
@@ -314,7 +320,12 @@ class SparsityAlgorithm(ABC):
         """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
         raise. Reversible (`detach`) until `commit` prunes."""
         sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
-        replaced = {sp.name: sp.mask for sp in sps if sp.has_mask}  # masks no algorithm owns
+        # Masks no algorithm owns, and whether each was in the module's state_dict (persistent).
+        replaced = {
+            sp.name: (sp.mask, sp.mask_name not in sp.module._non_persistent_buffers_set)
+            for sp in sps
+            if sp.has_mask
+        }
         try:
             for sp, mask in zip(sps, masks, strict=True):
                 sp.register_mask(mask)
@@ -323,7 +334,8 @@ class SparsityAlgorithm(ABC):
             self.detach(sps)
             for sp in sps:
                 if sp.name in replaced:
-                    sp.register_mask(replaced[sp.name])
+                    mask, persistent = replaced[sp.name]
+                    sp.module.register_buffer(sp.mask_name, mask, persistent=persistent)
             raise
         return sps
 
@@ -504,7 +516,16 @@ class SparsityAlgorithm(ABC):
 
     def generator(self, p: torch.Tensor) -> torch.Generator:
         """Random stream for ``p`` at this step: the same on every rank and after a resume."""
-        return generator_for(self.seed, self.step, self.name_of(p), p.device)
+        return generator_for(self._applied_seed(), self.step, self.name_of(p), p.device)
+
+    def _applied_seed(self) -> int:
+        """The seed ``apply`` resolved (``seed=None``: the experiment's)."""
+        if self.seed is None:
+            raise RuntimeError(
+                f"{self.name} has no seed yet (seed=None is resolved by apply(model)); apply the "
+                "algorithm to the model before drawing masks"
+            )
+        return self.seed
 
     # ------------------------------------------------------------------ reports and observers
     def mask_target(self, name: str) -> float:

@@ -51,11 +51,13 @@ __all__ = [
     "CompactLayers",
     "CompactState",
     "find_slot",
+    "grow_candidates",
     "qualifies",
     "rebuild",
     "release",
     "to_compact",
     "to_dense",
+    "with_candidates",
 ]
 
 ELEMENTWISE = tuple(
@@ -214,6 +216,51 @@ def rebuild(compact: CompactState, csr: CSRWeight, grad: Tensor | None) -> Compa
     return to_compact(weight, csr, slot)
 
 
+def grow_candidates(grad: Tensor, csr: CSRWeight, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` positions outside ``csr``'s mask with the largest ``|grad|``, ties to the
+    lower index, and the gradient there: what a RigL/GraNet update reads of the dense gradient
+    outside the mask (`SparsityAlgorithm.grow_candidates`), kept in place of it.
+
+    Non-finite entries outside the mask count, and are kept, as 0: the cpu path's gradient hook
+    zeroes them before the update. Any other position outside the mask ranks after all of
+    these, so an update that grows at most ``count`` of them by ``|grad|`` grows the same ones
+    from a gradient that is zero there.
+
+    Args:
+        grad: the dense gradient ``[out, in]`` (a transient of the backward).
+        csr: the layer's structure (its kept positions are excluded).
+        count: how many, at most the positions outside the mask.
+
+    Returns:
+        ``(index, values)``: flat positions ``row * in + col`` (int32 where they fit, else
+        int64) and the gradient there, ``[count]`` each.
+    """
+    flat = grad.reshape(-1)
+    score = flat.abs()
+    score.masked_fill_(~score.isfinite(), 0.0)
+    score.index_fill_(0, csr.flat_indices(), -1.0)  # kept: below every candidate (all >= 0)
+    if count <= 0:
+        index = flat.new_empty(0, dtype=torch.long)
+    else:
+        cut = torch.topk(score, count, sorted=False).values.min()
+        above = (score > cut).nonzero().squeeze(1)
+        ties = (score == cut).nonzero().squeeze(1)[: count - above.numel()]  # lowest indices
+        index = torch.cat([above, ties])
+    values = flat.index_select(0, index)
+    values.masked_fill_(~values.isfinite(), 0.0)
+    if flat.numel() <= torch.iinfo(torch.int32).max:
+        index = index.to(torch.int32)
+    return index, values
+
+
+def with_candidates(dense: Tensor, candidates: tuple[Tensor, Tensor]) -> Tensor:
+    """``dense`` (``[out, in]``, the kept positions' gradient) with `grow_candidates`' gradient
+    written at its positions, in place."""
+    index, values = candidates
+    dense.view(-1).index_copy_(0, index.long(), values)
+    return dense
+
+
 def release(compact: CompactState) -> None:
     """End of training (the executor's removal): the weight holds its dense values again, so the
     model is an ordinary model, and its gradient is dropped. The optimizer keeps the kept values
@@ -244,8 +291,9 @@ class CompactLayers:
 
     Per optimizer holding compact values (registered at its first compaction): its
     ``state_dict()`` returns the dense moments (the cpu format), ``load_state_dict`` turns its
-    layers dense first, and after each ``step()`` ``settle(optimizer)`` runs (layers that
-    trained dense through a mask update go compact again at once).
+    layers dense first, after each ``step()`` ``settle(optimizer)`` runs (layers that trained
+    dense through a mask update go compact again at once), and a ``step()`` after the layers
+    were released (the device removed) gives it the weights back first.
 
     Args:
         optimizers: the optimizers a layer's weight may be found in (read when compacting).
@@ -273,6 +321,7 @@ class CompactLayers:
             self._hooks[id(optimizer)] = [
                 optimizer.register_state_dict_post_hook(self._dense_state_dict),
                 optimizer.register_load_state_dict_pre_hook(self._before_load),
+                optimizer.register_step_pre_hook(self._before_step),
                 optimizer.register_step_post_hook(self._after_step),
             ]
 
@@ -298,8 +347,10 @@ class CompactLayers:
         return total
 
     def release(self) -> None:
-        """End of training: every compact layer's weight dense again (`release`); the optimizers
-        keep the values, their hooks stay for ``state_dict`` / ``load_state_dict``."""
+        """End of training on the device: every compact layer's weight dense again (`release`);
+        the optimizers keep the values (no dense state is allocated) until they are stepped or
+        loaded again, when the weights take their place back (`_reclaim`); their hooks stay for
+        ``state_dict`` / ``load_state_dict`` / ``step``."""
         for key, layer in list(self.layers.items()):
             compact = layer.compact
             if compact is not None:
@@ -328,17 +379,30 @@ class CompactLayers:
 
     def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu;
-        a released layer's weight takes its values' place again (its state is replaced by the
-        loaded one)."""
+        released layers' weights take their values' place again."""
         for layer in self.of(optimizer):
             layer.decompact()
+        self._reclaim(optimizer)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: an optimizer stepped after the device was removed (training
+        goes on without it) steps the released layers' weights again."""
+        self._reclaim(optimizer)
+
+    def _reclaim(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each released layer of ``optimizer``: its weight (dense since `release`, with the
+        gradient the model gave it since) takes the values' place in the param group, with the
+        values' state made dense (zeros at pruned positions), as the cpu path holds it."""
         for key, compact in list(self.released.items()):
             if compact.optimizer() is not optimizer:
                 continue
+            values, weight = compact.values, compact.weight
             for group in optimizer.param_groups:
-                group["params"] = [compact.weight if p is compact.values else p
-                                   for p in group["params"]]  # fmt: skip
-            optimizer.state.pop(compact.values, None)
+                group["params"] = [weight if p is values else p for p in group["params"]]
+            state = optimizer.state.pop(values, None)
+            if state is not None:
+                with torch.no_grad():
+                    optimizer.state[weight] = _moved(state, values.shape, compact.csr.to_dense)
             del self.released[key]
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -147,6 +147,7 @@ class WSEAccelerator(CPUAccelerator):
             stats=self.stats,
             path=self.kernel_path,
             optimizers=self._optimizers if self._compacts(trainer) else None,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
         if not any(isinstance(c, WSEStatsMonitor) for c in trainer.callbacks):
             self._monitor = WSEStatsMonitor(self.stats, log=self.log_stats)

@@ -370,17 +370,25 @@ class DenseWeightGrad(torch.autograd.Function):
 
 class CompactDenseWeightGrad(torch.autograd.Function):
     """`DenseWeightGrad` for a compact layer (a RigL/GraNet update step): identity on ``y``
-    (computed from the detached ``values``), whose backward gives the weight parameter (which
-    holds no values) the dense gradient ``dW = grad_Y^T X`` ``[out, in]`` and ``values`` that
-    gradient at its kept positions, ``[nnz]`` in ``csr``'s order: one dense matmul, no sampled
-    one beside it, and the value gradient is exactly the cpu path's masked dense gradient."""
+    (computed from the detached ``values``), whose backward makes the dense gradient
+    ``dW = grad_Y^T X`` ``[out, in]`` (one dense matmul, no sampled one beside it) and gives
+    ``values`` that gradient at its kept positions, ``[nnz]`` in ``csr``'s order, exactly the
+    cpu path's masked dense gradient. The dense gradient goes to the weight parameter (which
+    holds no values), or, with ``keep``, to ``keep(dW)`` only (the layer takes what the update
+    reads of it, `compact.grow_candidates`) and is dropped when the backward leaves the layer."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, y: Tensor, x: Tensor, weight: Tensor, values: Tensor, csr: CSRWeight
+        ctx: Any,
+        y: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        values: Tensor,
+        csr: CSRWeight,
+        keep: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         ctx.save_for_backward(x)
-        ctx.csr = csr
+        ctx.csr, ctx.keep = csr, keep
         return y.view_as(y)
 
     @staticmethod
@@ -388,7 +396,11 @@ class CompactDenseWeightGrad(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
         grad_values = ctx.csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
-        return grad_y, None, grad_w if ctx.needs_input_grad[2] else None, grad_values, None
+        to_weight = ctx.needs_input_grad[2]
+        if ctx.keep is not None:
+            ctx.keep(grad_w)
+            to_weight = False
+        return grad_y, None, grad_w if to_weight else None, grad_values, None, None
 
 
 # --- Backends -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 from .. import validate
 from ..mask_ops import drop_and_grow, drop_and_grow_random
 from ..schedules import ScheduleSpec, bind
-from ..shapers import Shaper
+from ..shapers import Shaper, Unstructured
 from .base import SparsityAlgorithm
 
 __all__ = ["DropAndGrow", "dense_grad_score", "shaped_drop_and_grow"]
@@ -35,6 +35,7 @@ class DropAndGrow(SparsityAlgorithm):
     """
 
     prune_to_target: ClassVar[bool] = False  # GraNet: drop the surplus above the target first
+    grows_by_grad_magnitude: ClassVar[bool] = False  # RigL, GraNet: grow_score is |dense grad|
 
     def __init__(
         self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
@@ -49,6 +50,21 @@ class DropAndGrow(SparsityAlgorithm):
     def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
         """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
         (uniformly at random)."""
+
+    def grow_candidates(self, name: str) -> int | None:
+        """The grow count of this step's update of ``name`` (`shaped_drop_and_grow`'s counts,
+        capped at the positions outside the mask), for a ``|grad|`` grow score over one row
+        (the `Unstructured` shaper); None otherwise (see `SparsityAlgorithm.grow_candidates`).
+        One host sync (the mask's count)."""
+        sp = self.sparse_params[name]
+        if not self.grows_by_grad_magnitude or not isinstance(self.shaper, Unstructured):
+            return None
+        n = sp.mask.numel()
+        active = int(sp.nnz)
+        n_total = self.shaper.keep_per_row(self.target_sparsity(name, self.step), n)
+        keep_share = 1.0 - min(max(self.drop_fraction_at(self.step), 0.0), 1.0)
+        base = min(active, n_total) if self.prune_to_target else active
+        return min(max(n_total - int(keep_share * base), 0), n - active)
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""

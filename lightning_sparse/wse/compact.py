@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sparse.core import held
+from lightning_sparse.core.mask_ops import topk_mask
 from lightning_sparse.wse.csr import CSRWeight
 
 __all__ = [
@@ -239,13 +240,9 @@ def grow_candidates(grad: Tensor, csr: CSRWeight, count: int) -> tuple[Tensor, T
     score = flat.abs()
     score.masked_fill_(~score.isfinite(), 0.0)
     score.index_fill_(0, csr.flat_indices(), -1.0)  # kept: below every candidate (all >= 0)
-    if count <= 0:
-        index = flat.new_empty(0, dtype=torch.long)
-    else:
-        cut = torch.topk(score, count, sorted=False).values.min()
-        above = (score > cut).nonzero().squeeze(1)
-        ties = (score == cut).nonzero().squeeze(1)[: count - above.numel()]  # lowest indices
-        index = torch.cat([above, ties])
+    # The core's selection (ties to the lower index; on the CPU a sample-narrowed threshold,
+    # not a top-k over every weight).
+    index = topk_mask(score.view(1, -1), max(count, 0)).view(-1).nonzero().squeeze(1)
     values = flat.index_select(0, index)
     values.masked_fill_(~values.isfinite(), 0.0)
     if flat.numel() <= torch.iinfo(torch.int32).max:

@@ -195,26 +195,74 @@ def to_dense(compact: CompactState) -> None:
         optimizer.state[weight] = state
 
 
-def rebuild(compact: CompactState, csr: CSRWeight, grad: Tensor | None) -> CompactState | None:
+def rebuild(
+    compact: CompactState,
+    csr: CSRWeight,
+    grad: Tensor | None = None,
+    candidates: tuple[Tensor, Tensor] | None = None,
+) -> CompactState | None:
     """The layer's mask changed to ``csr``'s (a mask update): its values, gradient and
     optimizer state under the new structure, exactly as the cpu path prunes them. Kept weights
     keep their values and moments; grown ones start at zero with zero moments; the gradient is
-    ``grad`` (the dense ``[out, in]`` gradient of this step, RigL's) at the kept positions, or the
-    old value gradient's (zero where grown). One layer is dense for the moment: `to_dense`, then
-    `to_compact` under ``csr``; the old compact state is spent, the returned one replaces it
-    (None: the optimizer is gone, the layer stays dense, pruned).
+    ``grad`` (the dense ``[out, in]`` gradient of this step, RigL's under accumulation) at the
+    kept positions, or the old value gradient's where kept and ``candidates``' (`grow_candidates`)
+    or zero where grown. Compact to compact: each ``[nnz]`` tensor is moved through the map from
+    new to old positions (both CSR orders are ascending flat positions), nothing of the
+    weight's size is made (but ``grad``'s gather). The old compact state is spent; the returned
+    one replaces it (None: the optimizer is gone, the layer goes dense, pruned).
     """
     optimizer = compact.optimizer()
-    to_dense(compact)
-    weight = compact.weight
-    if grad is not None:
-        weight.grad = grad
-    slot = None if optimizer is None else find_slot([optimizer], weight)
+    slot = None if optimizer is None else find_slot([optimizer], compact.values)
     if slot is None:
+        to_dense(compact)
+        weight = compact.weight
         with torch.no_grad():
             weight.data = csr.to_dense(csr.gather_values(weight.detach()))
         return None
-    return to_compact(weight, csr, slot)
+    optimizer, group, index = slot
+    new_flat = csr.flat_indices()
+    move = _mover(compact.csr.flat_indices(), new_flat)
+    old, old_grad = compact.values, compact.values.grad
+    with torch.no_grad():
+        values = nn.Parameter(move(old.detach()), requires_grad=True)
+        if grad is not None:
+            new_grad: Tensor | None = csr.gather_values(grad)
+        elif old_grad is None and candidates is None:
+            new_grad = None
+        else:
+            new_grad = values.new_zeros(csr.nnz) if old_grad is None else move(old_grad)
+            if candidates is not None:
+                new_grad = _merge_candidates(new_grad, new_flat, candidates)
+        state = optimizer.state.get(old)
+        moved = None if state is None else _moved(state, old.shape, move)
+    # Commit: nothing below allocates or can fail halfway.
+    values.grad = new_grad
+    group["params"][index] = values
+    if state is not None:
+        del optimizer.state[old]
+        optimizer.state[values] = moved
+    return CompactState(compact.weight, values, csr, optimizer)
+
+
+def _mover(old_flat: Tensor, new_flat: Tensor) -> Callable[[Tensor], Tensor]:
+    """``t [nnz_old] -> [nnz_new]``: ``t`` at the positions both structures keep, 0 at the new
+    ones (``old_flat``, ``new_flat``: ascending flat positions)."""
+    if old_flat.numel() == 0:
+        return lambda t: t.new_zeros(new_flat.numel())
+    where = torch.searchsorted(old_flat, new_flat).clamp_(max=old_flat.numel() - 1)
+    fresh = old_flat.index_select(0, where) != new_flat
+    return lambda t: t.index_select(0, where).masked_fill_(fresh, 0)
+
+
+def _merge_candidates(grad: Tensor, new_flat: Tensor, candidates: tuple[Tensor, Tensor]) -> Tensor:
+    """``grad [nnz_new]`` with the grow candidates' gradient at the new positions they hold."""
+    index, values = candidates
+    if index.numel() == 0:
+        return grad
+    index = index.long()  # ascending (a mask's nonzero positions)
+    where = torch.searchsorted(index, new_flat).clamp_(max=index.numel() - 1)
+    hit = index.index_select(0, where) == new_flat
+    return torch.where(hit, values.index_select(0, where), grad)
 
 
 def grow_candidates(grad: Tensor, csr: CSRWeight, count: int) -> tuple[Tensor, Tensor]:

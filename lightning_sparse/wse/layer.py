@@ -294,13 +294,13 @@ class LayerState:
         if csr is compact.csr:
             compact.weight.grad, self.candidates = None, None
             return
-        grad = self.dense_grad()
+        grad, candidates = compact.weight.grad, self.candidates
         compact.weight.grad, self.candidates = None, None
         registry = self.executor.compact
         assert registry is not None
         registry.discard(compact)
         self.compact = None
-        rebuilt = compact_state.rebuild(compact, csr, grad)
+        rebuilt = compact_state.rebuild(compact, csr, grad, candidates)
         self.values, self.values_key, self.runners, self.fast = None, None, {}, None
         if rebuilt is None:
             held.release(compact.weight)

@@ -13,7 +13,8 @@ layers hold: weights (or kept values and CSR indices), gradients and optimizer s
 tensors' ``nbytes``; the algorithms' bool masks listed apart). Variants: ``dense`` (cpu, no
 sparsity), ``cpu`` (masked dense training), ``wse`` (compact training state, the default) and
 ``wse-dense-state`` (``WSEAccelerator(compact=False)``). Goals at 90%: masked layers' weights +
-gradients + state on the device <= 0.2x the cpu path's; peak RSS <= 0.6x the cpu path's.
+gradients + state on the device <= 0.2x the cpu path's; peak RSS <= 0.6x the cpu path's
+(<= 0.65x with ``--kind rigl``).
 ``--kind rigl --update-every 3`` puts a RigL mask update (dense gradients, masks rebuilt) at
 step 3 and adds its step time. ``--live`` runs the children with glibc's mmap threshold fixed at
 64 KiB, so a freed block leaves the process: peak RSS is then what was live at the peak, apart
@@ -74,7 +75,7 @@ FILTER = ["*layers.*_proj.weight"]
 BATCH = 4
 VARIANTS = ("dense", "cpu", "wse", "wse-dense-state")
 PLAIN_VARIANTS = ("cpu", "wse", "plain-cpu", "plain-wse")
-GOALS = {"state": 0.2, "rss": 0.6, 0.9: 3.5, 0.95: 5.0, "busy": 1.5}
+GOALS = {"state": 0.2, "rss": 0.6, "rss_rigl": 0.65, 0.9: 3.5, 0.95: 5.0, "busy": 1.5}
 
 
 def algorithm(kind: str, sparsity: float, every: int = 100) -> Any:
@@ -294,8 +295,9 @@ def memory(args: argparse.Namespace) -> None:
     print("\nplain loop, plain-wse against plain-cpu:" if args.plain else "")
     print(f"goal: masked layers' weights + grads + state, {device} / cpu <= {GOALS['state']}: "
           f"{state:.3f} {'PASS' if state <= GOALS['state'] else 'FAIL'}")  # fmt: skip
-    print(f"goal: peak RSS, {device} / cpu <= {GOALS['rss']}: {rss:.2f} "
-          f"{'PASS' if rss <= GOALS['rss'] else 'FAIL'}")  # fmt: skip
+    goal = GOALS["rss_rigl" if args.kind == "rigl" else "rss"]  # issue 27.3: RigL's own goal
+    print(f"goal: peak RSS, {device} / cpu <= {goal}: {rss:.2f} "
+          f"{'PASS' if rss <= goal else 'FAIL'}")  # fmt: skip
     print(f"load average after the run: {load_average()}")
 
 

@@ -346,3 +346,33 @@ def test_the_machinery_both_paths_share_does_not_import_lightning() -> None:
         )
     )
     assert lightning_users == ["__init__.py", "lightning.py"]
+
+
+# ------------------------------------------------------------------ grow candidates
+@pytest.mark.parametrize("shape", [(7, 13), (1, 50), (33, 1)])
+@pytest.mark.parametrize("count", [0, 1, 5])
+def test_grow_candidates_are_the_top_outside_the_mask_ties_to_the_lower_index(
+    shape: tuple[int, int], count: int
+) -> None:
+    """`compact.grow_candidates` against a stable sort: odd shapes, empty rows, ties, NaN/inf
+    outside the mask (counted as 0, as the cpu path zeroes them), int32 positions."""
+    from lightning_sparse.wse.compact import grow_candidates, with_candidates
+    from lightning_sparse.wse.csr import CSRWeight
+
+    g = torch.Generator().manual_seed(sum(shape) + count)
+    grad = torch.randn(shape, generator=g, dtype=torch.float64).round(decimals=0)  # ties
+    mask = torch.rand(shape, generator=g) < 0.3
+    mask[0] = False  # an empty row
+    grad.view(-1)[1] = float("nan")
+    grad.view(-1)[2] = float("inf")
+    count = min(count, int((~mask).sum()))
+    csr = CSRWeight.from_dense(grad, mask, permutation=True)
+    index, values = grow_candidates(grad, csr, count)
+    assert index.dtype == torch.int32 and index.shape == values.shape == (count,)
+    score = torch.where(mask, -1.0, torch.nan_to_num(grad, nan=0.0, posinf=0.0).abs()).view(-1)
+    expected = torch.sort(score, descending=True, stable=True).indices[:count].sort().values
+    assert torch.equal(index.long(), expected)
+    clean = torch.where(grad.isfinite(), grad, torch.zeros_like(grad)).view(-1)
+    assert torch.equal(values, clean[expected])
+    dense = with_candidates(torch.zeros_like(grad), (index, values))
+    assert torch.equal(dense.view(-1)[expected], clean[expected])

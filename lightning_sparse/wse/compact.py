@@ -241,6 +241,10 @@ def rebuild(
     if state is not None:
         del optimizer.state[old]
         optimizer.state[values] = moved
+    # The spent values may outlive this (a graph kept after its backward holds its leaves): let
+    # them hold nothing.
+    old.grad = None
+    old.data = old.data.new_empty(0)
     return CompactState(compact.weight, values, csr, optimizer)
 
 

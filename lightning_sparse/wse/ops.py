@@ -177,6 +177,7 @@ def _widen(columns: Tensor) -> Tensor:
 # --- Autograd -------------------------------------------------------------------------------------
 def _csr_backward(
     ctx: Any,
+    csr: CSRWeight,
     grad_y2: Tensor,
     x2: Tensor,
     transposed_values: Callable[[], Tensor],
@@ -186,7 +187,7 @@ def _csr_backward(
     through ``S^T``'s CSR (its values from ``transposed_values``), the gradient of the second
     input (the dense weight's, zero where pruned, or the kept values') from ``second_grad``, and
     the bias gradient; each only where autograd needs it."""
-    csr, backend = ctx.csr, ctx.backend
+    backend = ctx.backend
     grad_y2 = grad_y2.contiguous()
     grad_x = grad_second = grad_b = None
     if ctx.needs_input_grad[0]:
@@ -224,8 +225,9 @@ class _SparseLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
         # W^T's values gathered from the weight (raises on a forward-only structure).
+        csr = ctx.csr
         return _csr_backward(
-            ctx, grad_y2, x2, lambda: ctx.csr.gather_values_t(weight), ctx.backend.sampled_grad
+            ctx, csr, grad_y2, x2, lambda: csr.gather_values_t(weight), ctx.backend.sampled_grad
         )
 
 
@@ -308,17 +310,35 @@ class _CSRLinearFunction(torch.autograd.Function):
         # The values themselves are saved: writing them in place before backward (an optimizer
         # step) is autograd's version error, as for nn.Linear's weight.
         ctx.save_for_backward(x2, values)
-        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        ctx.csr_ref, ctx.backend, ctx.has_bias = weakref.ref(csr), backend, bias is not None
         return y2
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         x2, values = ctx.saved_tensors
+        csr = _held_structure(ctx)
         return _csr_backward(
-            ctx, grad_y2, x2, lambda: ctx.csr.transposed_values(values.detach()),
+            ctx, csr, grad_y2, x2, lambda: csr.transposed_values(values.detach()),
             ctx.backend.sampled_values,
         )  # fmt: skip
+
+
+def _held_structure(ctx: Any) -> CSRWeight:
+    """The structure a compact layer's forward ran on. Its ops hold it weakly (the layer holds
+    it), so a graph kept after its backward (a plain loop's ``loss`` until the next step) does
+    not keep alive the indices a mask update replaced.
+
+    Raises:
+        RuntimeError: the layer's structure was replaced between the forward and its backward.
+    """
+    csr = ctx.csr_ref()
+    if csr is None:
+        raise RuntimeError(
+            "a compact layer's CSR structure was replaced (a mask update) between a forward and "
+            "its backward; run backward before the masks change"
+        )
+    return csr
 
 
 class _Densify(torch.autograd.Function):
@@ -327,13 +347,13 @@ class _Densify(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: Tensor, csr: CSRWeight) -> Tensor:  # type: ignore[override]
-        ctx.csr = csr
+        ctx.csr_ref = weakref.ref(csr)
         return csr.to_dense(values.detach())
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
-        return ctx.csr.gather_values(grad), None
+        return _held_structure(ctx).gather_values(grad), None
 
 
 def run_compact_path(
@@ -388,14 +408,15 @@ class CompactDenseWeightGrad(torch.autograd.Function):
         keep: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         ctx.save_for_backward(x)
-        ctx.csr, ctx.keep = csr, keep
+        ctx.csr_ref, ctx.keep = weakref.ref(csr), keep
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         (x,) = ctx.saved_tensors
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        grad_values = ctx.csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
+        csr = _held_structure(ctx)
+        grad_values = csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
         to_weight = ctx.needs_input_grad[2]
         if ctx.keep is not None:
             ctx.keep(grad_w)

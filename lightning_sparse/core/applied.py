@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["algorithms_of", "forget", "mask_paths", "owned_masks", "record"]
+__all__ = ["algorithms_of", "forget", "mask_paths", "owned_masks", "owners", "record"]
 
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDictionary()
 
@@ -21,6 +21,20 @@ _APPLIED: weakref.WeakKeyDictionary[nn.Module, list[Any]] = weakref.WeakKeyDicti
 def algorithms_of(model: nn.Module) -> list[Any]:
     """The algorithms applied to ``model`` (Group members individually), in order of application."""
     return list(_APPLIED.get(model, []))
+
+
+def owners(module: nn.Module, param_name: str) -> list[Any]:
+    """The algorithms (applied to any model, ``module`` itself or a model containing it) that
+    sparsify ``module``'s parameter ``param_name``, in order of application."""
+    found: list[Any] = []
+    for algorithms in list(_APPLIED.values()):
+        for algorithm in algorithms:
+            if algorithm not in found and any(
+                sp.module is module and sp.param_name == param_name
+                for sp in algorithm.sparse_params.values()
+            ):
+                found.append(algorithm)
+    return found
 
 
 def record(model: nn.Module, algorithm: Any) -> None:

@@ -6,8 +6,9 @@ stay, but it holds no values. The device registers itself here as that weight's 
 the algorithms ask it, not the weight, in the two places they read or write a weight's values
 outside the per-step path (which never sees such a weight: the optimizer steps the values):
 
-- a mask update reads the weight (``|w|``, RigL's ``|grad|``): `dense_of` gives a dense copy,
-  built one parameter at a time and dropped after that parameter's new mask is computed;
+- a mask update reads the weight (``|w|``, RigL's ``|grad|``): `dense_of` gives a dense copy
+  with the gradient the holder keeps (`Holder.dense_grad`), built one parameter at a time and
+  dropped after that parameter's new mask is computed;
 - pruning after a mask was written (`SparseParameter.prune_`): the holder rebuilds its values,
   gradient and optimizer state under the new mask (`Holder.mask_changed`), exactly as pruning
   the dense weight, gradient and state would leave them.
@@ -31,6 +32,12 @@ class Holder(Protocol):
 
     def dense_weight(self) -> torch.Tensor:
         """The weight's values as a new dense tensor of its shape (zeros where pruned)."""
+        ...
+
+    def dense_grad(self) -> torch.Tensor | None:
+        """The weight's gradient as the update reads it, dense (None when it has none): the
+        holder may keep only what `SparsityAlgorithm.grow_candidates` says the update reads of
+        it outside the mask, zeros elsewhere."""
         ...
 
     def mask_changed(self) -> None:
@@ -71,10 +78,10 @@ def holder_of(param: torch.Tensor) -> Holder | None:
 
 def dense_of(param: torch.Tensor) -> torch.Tensor:
     """``param`` itself, or, when its values are held elsewhere, a dense copy of them carrying
-    ``param``'s gradient (for a mask update to read; nothing is written back)."""
+    the holder's dense gradient (for a mask update to read; nothing is written back)."""
     holder = holder_of(param)
     if holder is None:
         return param
     dense = holder.dense_weight()
-    dense.grad = param.grad
+    dense.grad = holder.dense_grad()
     return dense

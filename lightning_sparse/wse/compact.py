@@ -44,6 +44,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_sparse.core import held
+from lightning_sparse.core.mask_ops import topk_mask
 from lightning_sparse.wse.csr import CSRWeight
 
 __all__ = [
@@ -51,11 +52,13 @@ __all__ = [
     "CompactLayers",
     "CompactState",
     "find_slot",
+    "grow_candidates",
     "qualifies",
     "rebuild",
     "release",
     "to_compact",
     "to_dense",
+    "with_candidates",
 ]
 
 ELEMENTWISE = tuple(
@@ -192,26 +195,119 @@ def to_dense(compact: CompactState) -> None:
         optimizer.state[weight] = state
 
 
-def rebuild(compact: CompactState, csr: CSRWeight, grad: Tensor | None) -> CompactState | None:
+def rebuild(
+    compact: CompactState,
+    csr: CSRWeight,
+    grad: Tensor | None = None,
+    candidates: tuple[Tensor, Tensor] | None = None,
+) -> CompactState | None:
     """The layer's mask changed to ``csr``'s (a mask update): its values, gradient and
     optimizer state under the new structure, exactly as the cpu path prunes them. Kept weights
     keep their values and moments; grown ones start at zero with zero moments; the gradient is
-    ``grad`` (the dense ``[out, in]`` gradient of this step, RigL's) at the kept positions, or the
-    old value gradient's (zero where grown). One layer is dense for the moment: `to_dense`, then
-    `to_compact` under ``csr``; the old compact state is spent, the returned one replaces it
-    (None: the optimizer is gone, the layer stays dense, pruned).
+    ``grad`` (the dense ``[out, in]`` gradient of this step, RigL's under accumulation) at the
+    kept positions, or the old value gradient's where kept and ``candidates``' (`grow_candidates`)
+    or zero where grown. Compact to compact: each ``[nnz]`` tensor is moved through the map from
+    new to old positions (both CSR orders are ascending flat positions), nothing of the
+    weight's size is made (but ``grad``'s gather). The old compact state is spent; the returned
+    one replaces it (None: the optimizer is gone, the layer goes dense, pruned).
     """
     optimizer = compact.optimizer()
-    to_dense(compact)
-    weight = compact.weight
-    if grad is not None:
-        weight.grad = grad
-    slot = None if optimizer is None else find_slot([optimizer], weight)
+    slot = None if optimizer is None else find_slot([optimizer], compact.values)
     if slot is None:
+        to_dense(compact)
+        weight = compact.weight
         with torch.no_grad():
             weight.data = csr.to_dense(csr.gather_values(weight.detach()))
         return None
-    return to_compact(weight, csr, slot)
+    optimizer, group, index = slot
+    new_flat = csr.flat_indices()
+    move = _mover(compact.csr.flat_indices(), new_flat)
+    old, old_grad = compact.values, compact.values.grad
+    with torch.no_grad():
+        values = nn.Parameter(move(old.detach()), requires_grad=True)
+        if grad is not None:
+            new_grad: Tensor | None = csr.gather_values(grad)
+        elif old_grad is None and candidates is None:
+            new_grad = None
+        else:
+            new_grad = values.new_zeros(csr.nnz) if old_grad is None else move(old_grad)
+            if candidates is not None:
+                new_grad = _merge_candidates(new_grad, new_flat, candidates)
+        state = optimizer.state.get(old)
+        moved = None if state is None else _moved(state, old.shape, move)
+    # Commit: nothing below allocates or can fail halfway.
+    values.grad = new_grad
+    group["params"][index] = values
+    if state is not None:
+        del optimizer.state[old]
+        optimizer.state[values] = moved
+    # The spent values may outlive this (a graph kept after its backward holds its leaves): let
+    # them hold nothing.
+    old.grad = None
+    old.data = old.data.new_empty(0)
+    return CompactState(compact.weight, values, csr, optimizer)
+
+
+def _mover(old_flat: Tensor, new_flat: Tensor) -> Callable[[Tensor], Tensor]:
+    """``t [nnz_old] -> [nnz_new]``: ``t`` at the positions both structures keep, 0 at the new
+    ones (``old_flat``, ``new_flat``: ascending flat positions)."""
+    if old_flat.numel() == 0:
+        return lambda t: t.new_zeros(new_flat.numel())
+    where = torch.searchsorted(old_flat, new_flat).clamp_(max=old_flat.numel() - 1)
+    fresh = old_flat.index_select(0, where) != new_flat
+    return lambda t: t.index_select(0, where).masked_fill_(fresh, 0)
+
+
+def _merge_candidates(grad: Tensor, new_flat: Tensor, candidates: tuple[Tensor, Tensor]) -> Tensor:
+    """``grad [nnz_new]`` with the grow candidates' gradient at the new positions they hold."""
+    index, values = candidates
+    if index.numel() == 0:
+        return grad
+    index = index.long()  # ascending (a mask's nonzero positions)
+    where = torch.searchsorted(index, new_flat).clamp_(max=index.numel() - 1)
+    hit = index.index_select(0, where) == new_flat
+    return torch.where(hit, values.index_select(0, where), grad)
+
+
+def grow_candidates(grad: Tensor, csr: CSRWeight, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` positions outside ``csr``'s mask with the largest ``|grad|``, ties to the
+    lower index, and the gradient there: what a RigL/GraNet update reads of the dense gradient
+    outside the mask (`SparsityAlgorithm.grow_candidates`), kept in place of it.
+
+    Non-finite entries outside the mask count, and are kept, as 0: the cpu path's gradient hook
+    zeroes them before the update. Any other position outside the mask ranks after all of
+    these, so an update that grows at most ``count`` of them by ``|grad|`` grows the same ones
+    from a gradient that is zero there.
+
+    Args:
+        grad: the dense gradient ``[out, in]`` (a transient of the backward).
+        csr: the layer's structure (its kept positions are excluded).
+        count: how many, at most the positions outside the mask.
+
+    Returns:
+        ``(index, values)``: flat positions ``row * in + col`` (int32 where they fit, else
+        int64) and the gradient there, ``[count]`` each.
+    """
+    flat = grad.reshape(-1)
+    score = flat.abs()
+    score.masked_fill_(~score.isfinite(), 0.0)
+    score.index_fill_(0, csr.flat_indices(), -1.0)  # kept: below every candidate (all >= 0)
+    # The core's selection (ties to the lower index; on the CPU a sample-narrowed threshold,
+    # not a top-k over every weight).
+    index = topk_mask(score.view(1, -1), max(count, 0)).view(-1).nonzero().squeeze(1)
+    values = flat.index_select(0, index)
+    values.masked_fill_(~values.isfinite(), 0.0)
+    if flat.numel() <= torch.iinfo(torch.int32).max:
+        index = index.to(torch.int32)
+    return index, values
+
+
+def with_candidates(dense: Tensor, candidates: tuple[Tensor, Tensor]) -> Tensor:
+    """``dense`` (``[out, in]``, the kept positions' gradient) with `grow_candidates`' gradient
+    written at its positions, in place."""
+    index, values = candidates
+    dense.view(-1).index_copy_(0, index.long(), values)
+    return dense
 
 
 def release(compact: CompactState) -> None:
@@ -244,8 +340,9 @@ class CompactLayers:
 
     Per optimizer holding compact values (registered at its first compaction): its
     ``state_dict()`` returns the dense moments (the cpu format), ``load_state_dict`` turns its
-    layers dense first, and after each ``step()`` ``settle(optimizer)`` runs (layers that
-    trained dense through a mask update go compact again at once).
+    layers dense first, after each ``step()`` ``settle(optimizer)`` runs (layers that trained
+    dense through a mask update go compact again at once), and a ``step()`` after the layers
+    were released (the device removed) gives it the weights back first.
 
     Args:
         optimizers: the optimizers a layer's weight may be found in (read when compacting).
@@ -273,6 +370,7 @@ class CompactLayers:
             self._hooks[id(optimizer)] = [
                 optimizer.register_state_dict_post_hook(self._dense_state_dict),
                 optimizer.register_load_state_dict_pre_hook(self._before_load),
+                optimizer.register_step_pre_hook(self._before_step),
                 optimizer.register_step_post_hook(self._after_step),
             ]
 
@@ -298,8 +396,10 @@ class CompactLayers:
         return total
 
     def release(self) -> None:
-        """End of training: every compact layer's weight dense again (`release`); the optimizers
-        keep the values, their hooks stay for ``state_dict`` / ``load_state_dict``."""
+        """End of training on the device: every compact layer's weight dense again (`release`);
+        the optimizers keep the values (no dense state is allocated) until they are stepped or
+        loaded again, when the weights take their place back (`_reclaim`); their hooks stay for
+        ``state_dict`` / ``load_state_dict`` / ``step``."""
         for key, layer in list(self.layers.items()):
             compact = layer.compact
             if compact is not None:
@@ -328,17 +428,30 @@ class CompactLayers:
 
     def _before_load(self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
         """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu;
-        a released layer's weight takes its values' place again (its state is replaced by the
-        loaded one)."""
+        released layers' weights take their values' place again."""
         for layer in self.of(optimizer):
             layer.decompact()
+        self._reclaim(optimizer)
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Optimizer step pre-hook: an optimizer stepped after the device was removed (training
+        goes on without it) steps the released layers' weights again."""
+        self._reclaim(optimizer)
+
+    def _reclaim(self, optimizer: torch.optim.Optimizer) -> None:
+        """Each released layer of ``optimizer``: its weight (dense since `release`, with the
+        gradient the model gave it since) takes the values' place in the param group, with the
+        values' state made dense (zeros at pruned positions), as the cpu path holds it."""
         for key, compact in list(self.released.items()):
             if compact.optimizer() is not optimizer:
                 continue
+            values, weight = compact.values, compact.weight
             for group in optimizer.param_groups:
-                group["params"] = [compact.weight if p is compact.values else p
-                                   for p in group["params"]]  # fmt: skip
-            optimizer.state.pop(compact.values, None)
+                group["params"] = [weight if p is values else p for p in group["params"]]
+            state = optimizer.state.pop(values, None)
+            if state is not None:
+                with torch.no_grad():
+                    optimizer.state[weight] = _moved(state, values.shape, compact.csr.to_dense)
             del self.released[key]
 
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

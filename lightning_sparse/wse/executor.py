@@ -54,17 +54,25 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
+from lightning_sparse.core import applied
+from lightning_sparse.core.algorithms import SparsityAlgorithm
 from lightning_sparse.core.layouts import is_hf_conv1d
 from lightning_sparse.core.state_dict import restore_masks
-from lightning_sparse.wse.compact import CompactLayers
+from lightning_sparse.wse.compact import ELEMENTWISE, CompactLayers
 from lightning_sparse.wse.counters import DenseCounter
 from lightning_sparse.wse.inference import FAST, MASK, without_fast
 from lightning_sparse.wse.layer import STATE, LayerState, warn_once
 from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import WSEStats
 
-__all__ = ["WSEExecutor", "WSELinear", "install_executor", "on_wse", "register_masks"]
+__all__ = [
+    "WSEExecutor",
+    "WSELinear",
+    "check_compact_training",
+    "install_executor",
+    "on_wse",
+    "register_masks",
+]
 
 INFERENCE_DTYPE_ENV = "LIGHTNING_SPARSE_WSE_INFERENCE_DTYPE"
 """Environment variable: the `WSEExecutor` ``inference_dtype`` default ("float32", "bfloat16")."""
@@ -153,7 +161,7 @@ class WSEExecutor:
     """The executor installed on one model: its layers, statistics and kernel path.
 
     Args:
-        root: the model (its algorithms are found with `algorithms_of` on its modules).
+        root: the model (a layer's algorithms are those that own its weight, `applied.owners`).
         stats: where FLOPs, memory and rebuilds are recorded.
         path: `sparse_linear` path ("auto", "compiled", "torch", "dense"); None follows the
             ``LIGHTNING_SPARSE_WSE_PATH`` environment variable (default "auto").
@@ -166,6 +174,10 @@ class WSEExecutor:
             (default) trains every layer in dense form. With them, a masked `nn.Linear` whose
             live algorithm keeps its pruned entries at 0 and whose weight one elementwise
             optimizer steps trains its kept values only (`compact.py`).
+        accumulate_grad_batches: backwards per optimizer step. With 1 (default), a compact
+            layer keeps of a RigL/GraNet update step's dense gradient only what the update reads
+            (`compact.grow_candidates`), and a second backward before the step is an error;
+            above 1 it keeps the whole dense gradient, accumulated.
     """
 
     def __init__(
@@ -175,7 +187,12 @@ class WSEExecutor:
         path: str | None,
         inference_dtype: str | None = None,
         optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
+        accumulate_grad_batches: int = 1,
     ) -> None:
+        if accumulate_grad_batches < 1:
+            raise ValueError(
+                f"accumulate_grad_batches must be an int >= 1, got {accumulate_grad_batches!r}"
+            )
         if path is not None and path != "auto" and path not in PATHS:
             raise ValueError(f"kernel path must be None, 'auto' or one of {PATHS}, got {path!r}")
         source = "inference_dtype"
@@ -194,6 +211,7 @@ class WSEExecutor:
         # Masked Conv2d modules running dense: their stats hooks, by module.
         self._dense_hooks: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
         self.compact = None if optimizers is None else CompactLayers(optimizers, self.settle)
+        self.accumulate_grad_batches = accumulate_grad_batches
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -210,7 +228,7 @@ class WSEExecutor:
             state = STATE[module]
             mask = module._buffers.get(MASK)
             if state.compact is not None:
-                state.compact.weight.grad = None
+                state.compact.weight.grad, state.candidates = None, None
             elif mask is not None:
                 state.try_compact(module, mask)
 
@@ -223,19 +241,23 @@ class WSEExecutor:
         out: dict[str, Tensor] = {}
         for name, module in [] if root is None else root.named_modules():
             state = STATE.get(module)
-            compact = None if state is None else state.compact
-            if compact is None:
+            if state is None or state.compact is None:
                 continue
+            compact = state.compact
             key = f"{name}.weight" if name else "weight"
-            if compact.weight.grad is not None:  # a RigL/GraNet update step's dense gradient
-                out[key] = compact.weight.grad.clone()
+            grad = state.dense_grad()  # a RigL/GraNet update step's (see `LayerState.dense_grad`)
+            if grad is not None:
+                out[key] = grad.clone() if state.candidates is None else grad
             elif compact.values.grad is not None:
                 out[key] = compact.csr.to_dense(compact.values.grad)
         return out
 
     def remove(self) -> None:
         """Give every layer back its `nn.Linear` / ``Conv1D`` class (compact layers' weights
-        dense again, `compact.release`) and drop the cached CSR structures."""
+        dense again, `compact.release`: the optimizers keep the kept values and their state
+        until their next ``step()`` or ``load_state_dict``, when the weights take their place
+        back with dense state, so no dense optimizer state is allocated when training ends) and
+        drop the cached CSR structures."""
         if self.compact is not None:
             self.compact.release()
         for module in list(self._layers):
@@ -250,19 +272,9 @@ class WSEExecutor:
         self._dense_hooks = weakref.WeakKeyDictionary()
 
     def owners_of(self, module: nn.Module) -> list[SparsityAlgorithm]:
-        """Algorithms that sparsify ``module.weight`` (read at each structure rebuild)."""
-        root = self._root()
-        if root is None:
-            return []
-        found: list[SparsityAlgorithm] = []
-        for sub in root.modules():
-            for algorithm in algorithms_of(sub):
-                if algorithm not in found and any(
-                    sp.module is module and sp.param_name == "weight"
-                    for sp in algorithm.sparse_params.values()
-                ):
-                    found.append(algorithm)
-        return found
+        """Algorithms that sparsify ``module.weight`` (read at each structure rebuild), whether
+        applied to this executor's model or to a model that contains it."""
+        return applied.owners(module, "weight")
 
     def check_fallbacks(self) -> None:
         """Warn once per masked module that runs dense because it is not an `nn.Linear` or an
@@ -302,6 +314,7 @@ def install_executor(
     path: str | None = None,
     inference_dtype: str | None = None,
     optimizers: Callable[[], Sequence[torch.optim.Optimizer]] | None = None,
+    accumulate_grad_batches: int = 1,
 ) -> WSEExecutor:
     """Run ``model``'s masked `nn.Linear` and HF ``Conv1D`` layers in CSR from now on (see the
     module docstring).
@@ -316,16 +329,25 @@ def install_executor(
             `WSEExecutor`.
         optimizers: the training optimizers, for compact training (see `WSEExecutor`); None
             trains every layer in dense form.
+        accumulate_grad_batches: backwards per optimizer step (see `WSEExecutor`).
 
     Returns:
         The executor; ``executor.remove()`` undoes the installation.
 
     Raises:
         ValueError: on an unknown ``path`` or ``inference_dtype``.
+        RuntimeError: a layer of ``model`` trains compact under another executor.
     """
+    compact = [n for n, m in model.named_modules() if getattr(STATE.get(m), "compact", None)]
+    if compact:
+        raise RuntimeError(
+            f"{compact[0] or '<model>'!r} trains compact under another executor (its weight holds "
+            "no values); remove that executor (leave its on_wse block) before installing another"
+        )
     executor = WSEExecutor(
-        model, stats if stats is not None else WSEStats(), path, inference_dtype, optimizers
-    )
+        model, stats if stats is not None else WSEStats(), path, inference_dtype, optimizers,
+        accumulate_grad_batches,
+    )  # fmt: skip
     for name, module in model.named_modules():
         if type(module) is nn.Linear:
             module.__class__ = WSELinear
@@ -345,11 +367,40 @@ def install_executor(
 def on_wse(
     model: nn.Module,
     *,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+    accumulate_grad_batches: int = 1,
     stats: WSEStats | None = None,
     path: str | None = None,
     inference_dtype: str | None = None,
 ) -> Iterator[WSEExecutor]:
     """``with on_wse(model) as executor:`` runs ``model`` on the device inside the block.
+
+    With ``optimizer``, the block trains compact, as ``Trainer(accelerator="wse")`` does (the
+    same `install_executor` and `compact.py`, without Lightning): every masked `nn.Linear` whose
+    live algorithm keeps its pruned entries at 0 trains its kept values only. At its first
+    training forward its weight, gradient and optimizer state move to ``[nnz]`` tensors and the
+    values take the weight's place in ``optimizer``; mask updates (the algorithm's step hooks)
+    rebuild them. Leaving the block gives the model its dense weights; ``optimizer`` keeps the
+    kept values and their state (no dense state is allocated) until its next ``step()`` or
+    ``load_state_dict``, which give it the weights and dense state back (zeros at pruned
+    positions), so training may go on without the device; its ``state_dict()`` has the cpu
+    format throughout.
+    ``accumulate_grad_batches``: backwards per optimizer step (see `WSEExecutor`; a RigL/GraNet
+    update step with more backwards than declared is an error, not a wrong mask). ``stats``,
+    ``path``, ``inference_dtype``: as `install_executor`.
+
+    Example (plain PyTorch, compact training)::
+
+        sparsity = RigL(0.9, update={"freq": 100})
+        model.apply(sparsity)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        sparsity.apply(optimizer)
+        with on_wse(model, optimizer=optimizer):
+            for x, y in data:
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
 
     Example (inference from a sparse checkpoint without its algorithm)::
 
@@ -357,12 +408,86 @@ def on_wse(
         lit.load_state_dict(checkpoint["state_dict"])
         with on_wse(lit):
             tokens = lit.model.generate(prompt, max_new_tokens=32, temperature=0)
+
+    Raises:
+        TypeError: ``optimizer`` is not an optimizer, or is not elementwise
+            (`compact.ELEMENTWISE`: stepping kept values must equal stepping the masked weight).
+        ValueError: a masked weight of ``model`` is not stepped by exactly one of the optimizers
+            (or none of their parameters is ``model``'s).
+        RuntimeError: ``model`` already runs on the device (a second `on_wse` or
+            `install_executor` on it).
+        All before anything is modified.
     """
-    executor = install_executor(model, stats=stats, path=path, inference_dtype=inference_dtype)
+    optimizers = None
+    if optimizer is not None:
+        optimizers = (
+            [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        )
+        check_compact_training(model, optimizers)
+    executor = install_executor(
+        model,
+        stats=stats,
+        path=path,
+        inference_dtype=inference_dtype,
+        optimizers=None if optimizers is None else (lambda: optimizers),
+        accumulate_grad_batches=accumulate_grad_batches,
+    )
     try:
         yield executor
     finally:
         executor.remove()
+
+
+def check_compact_training(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """Raise unless ``optimizers`` can train ``model``'s masked layers compact (`on_wse`).
+
+    Raises:
+        TypeError: an entry is not an elementwise optimizer (`compact.ELEMENTWISE`).
+        ValueError: no optimizer, none of their parameters is ``model``'s, or a masked trainable
+            `nn.Linear` weight is stepped by none (or more than one place) of them.
+        RuntimeError: ``model`` already runs on the device.
+    """
+    if not optimizers:
+        raise ValueError("on_wse(optimizer=...) needs at least one optimizer; got an empty list")
+    for opt in optimizers:
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"on_wse(optimizer=...) takes torch.optim optimizers, got {type(opt).__name__}"
+            )
+        if type(opt) not in ELEMENTWISE:
+            names = ", ".join(t.__name__ for t in ELEMENTWISE)
+            raise TypeError(
+                f"on_wse(optimizer=...) trains kept values only, which equals masked dense "
+                f"training only for optimizers whose update is elementwise per parameter "
+                f"({names}); got {type(opt).__name__}. Use one of those, or on_wse(model) "
+                "without optimizer= to train the dense weights on the device"
+            )
+    on_device = [name for name, m in model.named_modules() if _owner(m) is not None]
+    if on_device:
+        raise RuntimeError(
+            f"the model already runs on the device (layer {on_device[0] or '<model>'!r}): "
+            "on_wse / install_executor was called on it twice; leave the first on_wse block "
+            "(or call its executor's remove()) first"
+        )
+    mine = {id(p) for p in model.parameters()}
+    stepped = [p for opt in optimizers for g in opt.param_groups for p in g["params"]]
+    if not any(id(p) in mine for p in stepped):
+        raise ValueError(
+            "none of the optimizer's parameters belongs to the model passed to on_wse; pass the "
+            "optimizer built from model.parameters()"
+        )
+    for name, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        # Only nn.Linear layers train compact (an HF Conv1D keeps the dense state).
+        if type(module) is not nn.Linear or MASK not in module._buffers or weight is None:
+            continue
+        count = sum(p is weight for p in stepped)
+        if weight.requires_grad and count != 1:
+            raise ValueError(
+                f"{name + '.weight' if name else 'weight'!r} is masked and trainable but the "
+                f"optimizer steps it {count} times; compact training replaces it by its kept "
+                "values in the one param group that holds it: put it in exactly one"
+            )
 
 
 register_masks = restore_masks

@@ -11,6 +11,7 @@ Inference is `inference.py`'s.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import weakref
@@ -42,6 +43,7 @@ class Executor(Protocol):
     path: str | None
     stats: WSEStats
     compact: CompactLayers | None
+    accumulate_grad_batches: int
 
     @property
     def inference_dtype(self) -> torch.dtype | None: ...  # read-only: the executor's is set
@@ -92,6 +94,9 @@ class LayerState:
         # Compact training (`compact.py`): the layer's compact form, and its path per tokens.
         self.compact: CompactState | None = None
         self.compact_paths: dict[int, str] = {}
+        # A RigL/GraNet update step's backward: the gradient outside the mask that the update
+        # can read (`compact.grow_candidates`), kept in place of the dense gradient.
+        self.candidates: tuple[Tensor, Tensor] | None = None
 
     @property
     def fast(self) -> FastInference | None:
@@ -209,8 +214,11 @@ class LayerState:
         compact = self.compact
         if compact is None:
             return
+        grad = self.dense_grad()  # an update step's dense gradient, if it is held
         compact_state.to_dense(compact)
-        self.compact = None
+        if grad is not None:
+            compact.weight.grad = grad
+        self.compact, self.candidates = None, None
         held.release(compact.weight)
         if self.executor.compact is not None:
             self.executor.compact.discard(compact)
@@ -222,24 +230,80 @@ class LayerState:
         assert self.compact is not None
         return self.compact.dense_weight()
 
+    def dense_grad(self) -> Tensor | None:
+        """The gradient an update step reads, dense ``[out, in]``: the weight parameter's (the
+        whole dense gradient), or the kept positions' and the grow candidates' (zero elsewhere:
+        `compact.grow_candidates`); None on other steps."""
+        compact = self.compact
+        assert compact is not None
+        if self.candidates is None:
+            return compact.weight.grad
+        grad = compact.values.grad
+        dense = (
+            compact.csr.to_dense(grad)
+            if grad is not None
+            else compact.values.new_zeros(compact.weight.shape)
+        )
+        return compact_state.with_candidates(dense, self.candidates)
+
+    def keep_candidates(self, count: int, grad: Tensor) -> None:
+        """Backward of a RigL/GraNet update step: of the layer's dense gradient ``grad``, keep
+        what the update reads outside the mask (the top ``count`` by ``|grad|``).
+
+        Raises:
+            RuntimeError: a second backward reached the layer before the optimizer step
+                (gradient accumulation not declared: the candidates of a sum of gradients are
+                not those of its parts).
+        """
+        compact = self.compact
+        assert compact is not None
+        if self.candidates is not None and compact.values.grad is not None:
+            raise RuntimeError(
+                f"{self.name!r}: a second backward before the optimizer step of a RigL/GraNet "
+                "update step; the device keeps the grow candidates of one backward, not the "
+                "accumulated dense gradient. Declare gradient accumulation: "
+                "on_wse(model, optimizer=..., accumulate_grad_batches=N)"
+            )
+        self.candidates = compact_state.grow_candidates(grad, compact.csr, count)
+
+    def grow_count(self) -> int | None:
+        """The most positions outside the mask this step's update can grow (the owners'
+        `grow_candidates`), or None when the whole dense gradient must be kept (an owner reads
+        more of it, or gradients are accumulated)."""
+        if self.executor.accumulate_grad_batches != 1:
+            return None
+        counts = []
+        for ref, name in self.owned_as:
+            algorithm = ref()
+            if algorithm is None or not algorithm.dense_grad_needed:
+                continue
+            count = algorithm.grow_candidates(name)
+            if count is None:
+                return None
+            counts.append(count)
+        return max(counts) if counts else None
+
     def mask_changed(self) -> None:
         """The owner wrote a new mask (a mask update, a loaded sparsity state): the values,
-        gradient and optimizer state follow it (`compact.rebuild`); the dense gradient this step's
-        update read is dropped. Unchanged structure: nothing moves."""
+        gradient and optimizer state follow it (`compact.rebuild`); the dense gradient (or grow
+        candidates) this step's update read is dropped. Unchanged structure: nothing moves."""
         compact, module = self.compact, self._module()
         assert compact is not None and module is not None
-        grad, compact.weight.grad = compact.weight.grad, None
         mask = module._buffers.get(MASK)
         if mask is None:  # removed (densify): the next forward goes dense
+            compact.weight.grad, self.candidates = None, None
             return
         csr = self.structure(module, mask, transpose=True, permutation=True)
         if csr is compact.csr:
+            compact.weight.grad, self.candidates = None, None
             return
+        grad, candidates = compact.weight.grad, self.candidates
+        compact.weight.grad, self.candidates = None, None
         registry = self.executor.compact
         assert registry is not None
         registry.discard(compact)
         self.compact = None
-        rebuilt = compact_state.rebuild(compact, csr, grad)
+        rebuilt = compact_state.rebuild(compact, csr, grad, candidates)
         self.values, self.values_key, self.runners, self.fast = None, None, {}, None
         if rebuilt is None:
             held.release(compact.weight)
@@ -275,13 +339,17 @@ class LayerState:
             chosen = resolve_path(x, compact.values, csr, path, requires_grad=True, compact=True)
             self.compact_paths[tokens] = chosen
         nnz = compact.weight.numel() if chosen == "dense" else csr.nnz
-        # RigL/GraNet update step: the weight parameter also gets the dense gradient (per layer,
-        # accumulated over micro-batches; the update reads it, `mask_changed` drops it), and the
-        # values their gradient from it.
+        # RigL/GraNet update step: the backward makes the layer's dense gradient and the values
+        # their gradient from it. Without gradient accumulation the layer keeps only what the
+        # update reads of it outside the mask (its grow candidates), so one layer's dense
+        # gradient exists at a time; with it, the weight parameter holds the dense gradient
+        # (accumulated over micro-batches). The update reads it, `mask_changed` drops it.
         dense_grad = any(getattr(ref(), "dense_grad_needed", False) for ref in self.owners)
         if dense_grad:
+            count = self.grow_count()
+            keep = None if count is None else functools.partial(self.keep_candidates, count)
             y = run_compact_path(chosen, x, compact.values.detach(), csr, bias)
-            y = CompactDenseWeightGrad.apply(y, x, compact.weight, compact.values, csr)
+            y = CompactDenseWeightGrad.apply(y, x, compact.weight, compact.values, csr, keep)
         else:
             y = run_compact_path(chosen, x, compact.values, csr, bias)
         self._record(x, y, compact.weight, nnz, dense_grad)

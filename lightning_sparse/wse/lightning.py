@@ -149,6 +149,7 @@ class WSEAccelerator(CPUAccelerator):
             stats=self.stats,
             path=self.kernel_path,
             optimizers=self._optimizers if self._compacts(trainer) else None,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
         )
         # Trainer.callbacks is set by Lightning's callback connector, undeclared on the class.
         callbacks = trainer.callbacks  # type: ignore[attr-defined]

@@ -180,6 +180,7 @@ def _widen(columns: Tensor) -> Tensor:
 # --- Autograd -------------------------------------------------------------------------------------
 def _csr_backward(
     ctx: Any,
+    csr: CSRWeight,
     grad_y2: Tensor,
     x2: Tensor,
     transposed_values: Callable[[], Tensor],
@@ -189,7 +190,7 @@ def _csr_backward(
     through ``S^T``'s CSR (its values from ``transposed_values``), the gradient of the second
     input (the dense weight's, zero where pruned, or the kept values') from ``second_grad``, and
     the bias gradient; each only where autograd needs it."""
-    csr, backend = ctx.csr, ctx.backend
+    backend = ctx.backend
     grad_y2 = grad_y2.contiguous()
     grad_x = grad_second = grad_b = None
     if ctx.needs_input_grad[0]:
@@ -227,8 +228,9 @@ class _SparseLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
         # W^T's values gathered from the weight (raises on a forward-only structure).
+        csr = ctx.csr
         return _csr_backward(
-            ctx, grad_y2, x2, lambda: ctx.csr.gather_values_t(weight), ctx.backend.sampled_grad
+            ctx, csr, grad_y2, x2, lambda: csr.gather_values_t(weight), ctx.backend.sampled_grad
         )
 
 
@@ -311,17 +313,35 @@ class _CSRLinearFunction(torch.autograd.Function):
         # The values themselves are saved: writing them in place before backward (an optimizer
         # step) is autograd's version error, as for nn.Linear's weight.
         ctx.save_for_backward(x2, values)
-        ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
+        ctx.csr_ref, ctx.backend, ctx.has_bias = weakref.ref(csr), backend, bias is not None
         return y2
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, values = ctx.saved_tensors
+        csr = _held_structure(ctx)
         return _csr_backward(
-            ctx, grad_y2, x2, lambda: ctx.csr.transposed_values(values.detach()),
+            ctx, csr, grad_y2, x2, lambda: csr.transposed_values(values.detach()),
             ctx.backend.sampled_values,
         )  # fmt: skip
+
+
+def _held_structure(ctx: Any) -> CSRWeight:
+    """The structure a compact layer's forward ran on. Its ops hold it weakly (the layer holds
+    it), so a graph kept after its backward (a plain loop's ``loss`` until the next step) does
+    not keep alive the indices a mask update replaced.
+
+    Raises:
+        RuntimeError: the layer's structure was replaced between the forward and its backward.
+    """
+    csr = ctx.csr_ref()
+    if csr is None:
+        raise RuntimeError(
+            "a compact layer's CSR structure was replaced (a mask update) between a forward and "
+            "its backward; run backward before the masks change"
+        )
+    return csr
 
 
 class _Densify(torch.autograd.Function):
@@ -330,13 +350,13 @@ class _Densify(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: Tensor, csr: CSRWeight) -> Tensor:
-        ctx.csr = csr
+        ctx.csr_ref = weakref.ref(csr)
         return csr.to_dense(values.detach())
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return ctx.csr.gather_values(grad), None
+        return _held_structure(ctx).gather_values(grad), None
 
 
 def run_compact_path(
@@ -373,25 +393,38 @@ class DenseWeightGrad(torch.autograd.Function):
 
 class CompactDenseWeightGrad(torch.autograd.Function):
     """`DenseWeightGrad` for a compact layer (a RigL/GraNet update step): identity on ``y``
-    (computed from the detached ``values``), whose backward gives the weight parameter (which
-    holds no values) the dense gradient ``dW = grad_Y^T X`` ``[out, in]`` and ``values`` that
-    gradient at its kept positions, ``[nnz]`` in ``csr``'s order: one dense matmul, no sampled
-    one beside it, and the value gradient is exactly the cpu path's masked dense gradient."""
+    (computed from the detached ``values``), whose backward makes the dense gradient
+    ``dW = grad_Y^T X`` ``[out, in]`` (one dense matmul, no sampled one beside it) and gives
+    ``values`` that gradient at its kept positions, ``[nnz]`` in ``csr``'s order, exactly the
+    cpu path's masked dense gradient. The dense gradient goes to the weight parameter (which
+    holds no values), or, with ``keep``, to ``keep(dW)`` only (the layer takes what the update
+    reads of it, `compact.grow_candidates`) and is dropped when the backward leaves the layer."""
 
     @staticmethod
     def forward(
-        ctx: Any, y: Tensor, x: Tensor, weight: Tensor, values: Tensor, csr: CSRWeight
+        ctx: Any,
+        y: Tensor,
+        x: Tensor,
+        weight: Tensor,
+        values: Tensor,
+        csr: CSRWeight,
+        keep: Callable[[Tensor], None] | None = None,
     ) -> Tensor:
         ctx.save_for_backward(x)
-        ctx.csr = csr
+        ctx.csr_ref, ctx.keep = weakref.ref(csr), keep
         return y.view_as(y)
 
     @staticmethod
     def backward(ctx: Any, grad_y: Tensor) -> tuple[Tensor | None, ...]:
         (x,) = ctx.saved_tensors
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
-        grad_values = ctx.csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
-        return grad_y, None, grad_w if ctx.needs_input_grad[2] else None, grad_values, None
+        csr = _held_structure(ctx)
+        grad_values = csr.gather_values(grad_w) if ctx.needs_input_grad[3] else None
+        to_weight = ctx.needs_input_grad[2]
+        if ctx.keep is not None:
+            ctx.keep(grad_w)
+            to_weight = False
+        return grad_y, None, grad_w if to_weight else None, grad_values, None, None
 
 
 # --- Backends -------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from lightning_sparse.core.algorithms import SparsityAlgorithm
 from lightning_sparse.lightning.imp import IterativePruning
 from lightning_sparse.lightning.spdf import VariableSPDF
 from lightning_sparse.wse import WSEAccelerator
+from lightning_sparse.wse.layer import STATE
 from tests.helpers import (  # one_thread: autouse fixture
     one_thread,  # noqa: F401
     repeated_batch_loader,
@@ -179,9 +180,15 @@ class InspectUpdate(pl.Callback):
         assert algorithm.is_update_step(self.step)
         for sp in algorithm.sparse_params.values():
             weight = sp.param
-            # Still compact: the weight holds one element, and the dense gradient RigL reads.
+            # Still compact: the weight holds one element and no dense gradient; the layer
+            # holds the gradient outside the mask that RigL reads, its grow candidates.
             assert weight.untyped_storage().nbytes() == weight.element_size(), sp.name
-            assert weight.grad is not None and weight.grad.shape == weight.shape, sp.name
+            assert weight.grad is None, sp.name
+            index, values = STATE[sp.module].candidates
+            count = algorithm.grow_candidates(sp.name)
+            assert 0 < count < 0.1 * weight.numel(), sp.name
+            assert index.dtype == torch.int32 and index.shape == values.shape == (count,)
+            assert not sp.mask.view(-1)[index.long()].any(), sp.name  # all outside the mask
             self.masks[sp.name] = sp.mask.clone()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
@@ -194,15 +201,16 @@ class InspectUpdate(pl.Callback):
         for sp in algorithm.sparse_params.values():
             weight = sp.param
             assert weight.untyped_storage().nbytes() == weight.element_size(), sp.name
-            assert weight.grad is None, sp.name  # the dense gradient was dropped
+            assert weight.grad is None, sp.name
+            assert STATE[sp.module].candidates is None, sp.name  # dropped after the update
             values = compact[id(weight)].values
             assert values.shape == (int(sp.mask.sum()),) and any(p is values for p in params)
             self.after += 1
 
 
 def test_a_mask_update_keeps_the_layers_compact() -> None:
-    """RigL's update step: no layer goes dense; the weight parameters carry the dense gradient
-    only until the update has read it, and the values follow the new masks."""
+    """RigL's update step: no layer goes dense and no dense gradient is held; each layer keeps
+    its grow candidates until the update has read them, and the values follow the new masks."""
     inspect = InspectUpdate(step=3)
     module, trainer = _fit("wse", _rigl(), steps=5, callbacks=(inspect,))
     assert len(inspect.masks) == inspect.after == MASKED

@@ -165,6 +165,16 @@ class SparsityAlgorithm(ABC):
             self.needs_dense_grad and self.last_update_step != self.step and self.is_update_step()
         )
 
+    def grow_candidates(self, name: str) -> int | None:
+        """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
+        this step's update can grow at most, if it reads the dense gradient there only through
+        their rank by ``|grad|`` (ties to the lower index); None when it reads more of it.
+
+        A device that does not hold the dense gradient (`wse`, compact layers) then keeps only
+        the gradient at the kept positions and at these top candidates. Default: None.
+        """
+        return None
+
     def target_sparsity(self, name: str, step: int) -> float:
         """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
         value = evaluate(self.sparsity, step, "sparsity")

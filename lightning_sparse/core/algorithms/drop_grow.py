@@ -19,7 +19,7 @@ from .. import held, validate
 from ..mask_batches import by_key, drop_count
 from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random
 from ..schedules import ScheduleSpec, bind
-from ..shapers import Shaper
+from ..shapers import Shaper, Unstructured
 from ..sharding import is_sharded
 from .base import SparsityAlgorithm
 
@@ -37,6 +37,7 @@ class DropAndGrow(SparsityAlgorithm):
     """
 
     prune_to_target: ClassVar[bool] = False  # GraNet: drop the surplus above the target first
+    grows_by_grad_magnitude: ClassVar[bool] = False  # RigL, GraNet: grow_score is |dense grad|
 
     def __init__(
         self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
@@ -106,6 +107,21 @@ class DropAndGrow(SparsityAlgorithm):
             n: self.shaper.unshape(new[i], p.shape)
             for i, (n, p) in enumerate(zip(names, params, strict=True))
         }
+
+    def grow_candidates(self, name: str) -> int | None:
+        """The grow count of this step's update of ``name`` (`shaped_drop_and_grow`'s counts,
+        capped at the positions outside the mask), for a ``|grad|`` grow score over one row
+        (the `Unstructured` shaper); None otherwise (see `SparsityAlgorithm.grow_candidates`).
+        One host sync (the mask's count)."""
+        sp = self.sparse_params[name]
+        if not self.grows_by_grad_magnitude or not isinstance(self.shaper, Unstructured):
+            return None
+        n = sp.mask.numel()
+        active = int(sp.nnz)
+        n_total = self.shaper.keep_per_row(self.target_sparsity(name, self.step), n)
+        keep_share = 1.0 - min(max(self.drop_fraction_at(self.step), 0.0), 1.0)
+        base = min(active, n_total) if self.prune_to_target else active
+        return min(max(n_total - int(keep_share * base), 0), n - active)
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""

@@ -22,6 +22,7 @@ class GraNet(DropAndGrow):
     "final": s_f, "begin": t0, "end": t1}`` and must not decrease."""
 
     needs_dense_grad = True
+    grows_by_grad_magnitude = True
     prune_to_target = True  # the schedule rises: drop the surplus above the new target first
 
     def grow_score(self, p: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ class RigL(DropAndGrow):
     """
 
     needs_dense_grad = True
+    grows_by_grad_magnitude = True
 
     def grow_score(self, p: torch.Tensor) -> torch.Tensor:
         """``|dense gradient|``."""

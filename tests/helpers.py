@@ -196,6 +196,15 @@ def repo_pythonpath() -> str:
     return os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 
+def nested_pytest_env(**extra: str) -> dict[str, str]:
+    """The environment for a pytest a test starts: this one's, less ``PYTEST_ADDOPTS``. CI puts
+    ``--cov`` there, and a nested pytest-cov erases the coverage data the outer run's
+    subprocesses have written so far (``.ci/run`` then counts none of them). Coverage still
+    measures the nested processes through its subprocess patch."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    return {**env, **extra}
+
+
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (for ``MASTER_PORT``)."""
     with socket.socket() as s:

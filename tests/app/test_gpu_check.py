@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import subprocess
 import sys
 import zipfile
@@ -14,6 +13,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.helpers import nested_pytest_env
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ gpu_wheels = _wheels_module()
 def run_check(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(REPO / "benchmarks" / "gpu_check.sh"), *args, "--out", str(tmp_path / "logs")],
-        env={**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"},
+        env=nested_pytest_env(PYTHON=sys.executable, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=300,

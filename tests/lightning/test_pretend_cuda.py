@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.helpers import REPO, nested_pytest_env
 
 PRETEND = {"LIGHTNING_SPARSE_PRETEND_CUDA": "1", "OMP_NUM_THREADS": "1"}
 CHECK = """
@@ -58,7 +58,7 @@ def test_cpu_tests_pass_as_on_a_gpu_machine(tmp_path: Path) -> None:
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "log_cli=true",
          "--log-cli-level=INFO", f"--basetemp={tmp_path / 'base'}", *tests],
         cwd=REPO,
-        env={**os.environ, **PRETEND},
+        env=nested_pytest_env(**PRETEND),
         capture_output=True,
         text=True,
         timeout=300,

@@ -93,10 +93,9 @@ TUNED: dict[str, Tuned] = {
     ),
     "sddmm_tile_bytes": Tuned(
         512 << 10,
-        "the same kernel timing, 2026-11-27",
-        "the SDDMM kernel's X chunk (features x 128 tokens): 512 KB (1024 features) runs "
-        "70-72 GFLOP/s at K = 2816 against 66-68 with the whole-K tile of two vectors; 32 KB "
-        "chunks (64 features, a few kept weights per row and chunk) drop to 40-52",
+        "the same kernel timing, 2026-11-25",
+        "the SDDMM kernel's input tile: below two vectors of tokens (K=2752 under 512K) its "
+        "four-way dot products drop from 40 to 30 GFLOP/s",
     ),
     "busy_core": Tuned(
         0.5,

@@ -577,12 +577,12 @@ def test_load_monitor_counts_other_processes_busy_cores(
 
 
 # --- The native kernels' tiling paths, one by one -------------------------------------------
-# Tile budgets small enough to cut every SDDMM tile into several feature chunks (each row resumes
-# its CSR row where the previous chunk stopped), and the defaults. Shapes are not multiples of
-# the vector width (16 floats, 8 doubles), the 32-feature transpose block or the tile; tokens
-# cover one partial vector, a tile and a partial last tile, and the few-token path where threads
-# split rows.
-KERNEL_BUDGETS = {"small_chunks": (4 << 10, 4 << 10), "defaults": None}
+# Tile budgets small enough for one vector of tokens per tile in every kernel (4 KB), and the
+# defaults (two vectors in the SpMM, four in the SDDMM at 1100 features). Shapes are not
+# multiples of the vector width (16 floats, 8 doubles), the 32-feature transpose block or the
+# tile; tokens cover one partial vector, a tile and a partial last tile, and the few-token path
+# where threads split the rows of each tile.
+KERNEL_BUDGETS = {"small_tiles": (4 << 10, 4 << 10), "defaults": None}
 
 
 @pytest.fixture(params=list(KERNEL_BUDGETS))
@@ -623,8 +623,7 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
     """The forward SpMM (W's CSR), the input-gradient SpMM (W^T's CSR) and the SDDMM (dense and
     compact outputs) against masked dense products in float64; float32 within a tolerance that
     grows with the square root of a row's kept count (the rounding of a sum of that many terms)."""
-    # 1100 features: 35 chunks of 32 at the small budget; 400 rows: enough work at 17 tokens for
-    # two threads to split the rows of each tile.
+    # 400 rows: enough work at 17 tokens for two threads to split the rows of each tile.
     out_features, in_features = 400, 1100
     weight, mask, x, grad_y, csr = _kernel_operands(tokens, out_features, in_features, dtype, 7)
     assert csr.t_crow_indices is not None and csr.t_col_indices is not None

@@ -117,10 +117,9 @@ constexpr int64_t kColBlock = 32;  // features per transpose work item
 // (more tokens per tile amortize each kept weight's index and value loads over more FMAs; a
 // smaller tile stays closer to the core). The SpMM takes at most kSpmmVectors vectors of tokens:
 // on the 51M model's shapes two vectors (32 floats) beat four and eight at K = 1024 and one at
-// K = 2816 (+7-11%, where 128 KB had allowed only one). The SDDMM always takes 8 vectors and
-// cuts its X tile into feature chunks of the budget (its section says why); it streams its
-// gradient tile row by row, so only the X chunk counts. Set at load time from the Python side's
-// tuned constants (`ls_set_tile_budgets`, `policy.TUNED`); these are the defaults.
+// K = 2816 (+7-11% where the former 128 KB budget allowed only one). SDDMM streams its gradient
+// tile row by row, so only its X tile counts. Set at load time from the Python side's tuned
+// constants (`ls_set_tile_budgets`, `policy.TUNED`); these are the defaults.
 int64_t g_spmm_budget = 512 << 10;
 int64_t g_sddmm_budget = 512 << 10;
 constexpr int kSpmmVectors = 2;
@@ -315,45 +314,18 @@ void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, con
 }
 
 // --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
-//
-// A kept weight's value is a dot product over the tokens, so each costs one horizontal reduction
-// per token tile: the tile is always the widest (8 vectors of tokens, 128 floats), which runs 8
-// FMAs per reduction. The transposed X tile of all K features would then outgrow L2 at K = 2816
-// (1.4 MB), so it is cut into chunks of features (`sddmm_chunk`, sized by the budget), and each
-// row walks the part of its CSR row inside the chunk (columns ascend, so a per-row cursor
-// resumes where the previous chunk stopped). Each transposed G row (NV vectors) stays in
-// registers across all of the row's kept weights in a chunk.
 
-// Features per chunk of the transposed X tile of T tokens: the budget's worth, a multiple of the
-// transpose's column block, all K when it fits.
-template <typename S>
-int64_t sddmm_chunk(int64_t K, int T) {
-  const int64_t fit = g_sddmm_budget / (static_cast<int64_t>(sizeof(S)) * T);
-  const int64_t chunk = std::max<int64_t>(kColBlock, fit / kColBlock * kColBlock);
-  return std::min(chunk, std::max<int64_t>(K, 1));
-}
-
-// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1) and
-// the kept weights with columns below k1 (rows [k0, k1) of xt, feature j at xt + j * T, hold the
-// chunk: xt spans all K features, but only the chunk's rows are written and read, so only they
-// take cache). next[i] is row i's first kept weight not yet done (crow[i] before the first chunk).
+// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1).
 template <typename S, int NV>
-void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* xt, int64_t k1,
-                bool last_chunk, int64_t i0, int64_t i1, int32_t* next, S* vals) {
+void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* xt, int64_t i0,
+                int64_t i1, S* vals) {
   constexpr int L = kLanes<S>;
   constexpr int T = NV * L;
   for (int64_t i = i0; i < i1; ++i) {
-    int32_t k = next[i];
-    int32_t end = crow[i + 1];
-    if (!last_chunk) {
-      int32_t e = k;
-      while (e < end && col[e] < k1) ++e;
-      end = e;
-    }
-    next[i] = end;
-    if (k == end) continue;
     Vec<S> g[NV];
     for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
+    int32_t k = crow[i];
+    const int32_t end = crow[i + 1];
     // Four dot products at a time: four independent FMA chains sharing g, one shared reduction.
     for (; k + 4 <= end; k += 4) {
       const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
@@ -385,12 +357,11 @@ void sddmm_rows(const int32_t* crow, const int32_t* col, const S* gt, const S* x
 // only, so the result is the same whatever the thread count (threads take ranges dynamically; a
 // descheduled thread just takes fewer).
 constexpr int kTokenRanges = 4;
-constexpr int kSddmmVectors = 8;  // vectors of tokens per tile (see the section's comment)
 
 template <typename S>
 int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64_t N, int64_t K,
           int64_t M, S* D, bool dense, int threads) {
-  const int cap = kSddmmVectors;
+  const int cap = max_vectors<S>(K, g_sddmm_budget);
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t nnz = crow[M];
   threads = threads_for(nnz, N, K + M, threads);
@@ -401,25 +372,16 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
   Buffer vbuf(sizeof(S) * nnz * ranges);
   Buffer gshared(by_rows ? sizeof(S) * M * T_cap : 0);
   Buffer xshared(by_rows ? sizeof(S) * K * T_cap : 0);
-  Buffer nshared(by_rows ? sizeof(int32_t) * M : 0);
-  if (!vbuf.ptr || !gshared.ptr || !xshared.ptr || !nshared.ptr) return 1;
+  if (!vbuf.ptr || !gshared.ptr || !xshared.ptr) return 1;
   S* partial = static_cast<S*>(vbuf.ptr);
-  int failed = 0;
 #pragma omp parallel num_threads(threads)
   {
     if (!by_rows) {
       Buffer gbuf(sizeof(S) * M * T_cap), xbuf(sizeof(S) * K * T_cap);
-      Buffer nbuf(sizeof(int32_t) * M);
       S* gt = static_cast<S*>(gbuf.ptr);
       S* xt = static_cast<S*>(xbuf.ptr);
-      int32_t* next = static_cast<int32_t*>(nbuf.ptr);
-      if (!gt || !xt || !next) {
-#pragma omp atomic write
-        failed = 1;
-      }
 #pragma omp for schedule(dynamic, 1)
       for (int p = 0; p < ranges; ++p) {
-        if (!gt || !xt || !next) continue;
         S* vals = partial + nnz * p;
         std::memset(vals, 0, sizeof(S) * nnz);
         for (int64_t tile = tiles * p / ranges; tile < tiles * (p + 1) / ranges; ++tile) {
@@ -427,65 +389,50 @@ int sddmm(const int32_t* crow, const int32_t* col, const S* G, const S* X, int64
           const int64_t tn = std::min(T_cap, N - n0);
           with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
             constexpr int T = decltype(nv)::value * kLanes<S>;
+            transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
             transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-            std::copy(crow, crow + M, next);
-            const int64_t chunk = sddmm_chunk<S>(K, T);
-            for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-              const int64_t k1 = std::min(k0 + chunk, K);
-              transpose_tile<S, T>(X, K, n0, tn, k0, k1, xt);
-              sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, k1, k1 == K, 0, M, next, vals);
-            }
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
           });
         }
       }
     } else {
       S* gt = static_cast<S*>(gshared.ptr);
       S* xt = static_cast<S*>(xshared.ptr);
-      int32_t* next = static_cast<int32_t*>(nshared.ptr);
 #pragma omp for schedule(static)
       for (int64_t k = 0; k < nnz; ++k) partial[k] = S(0);
       for (int64_t n0 = 0; n0 < N; n0 += T_cap) {
         const int64_t tn = std::min(T_cap, N - n0);
         with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
           constexpr int T = decltype(nv)::value * kLanes<S>;
-          const int64_t chunk = sddmm_chunk<S>(K, T);
 #pragma omp for schedule(static) nowait
+          for (int64_t kb = 0; kb < K; kb += kColBlock)
+            transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, K), xt);
+#pragma omp for schedule(static)
           for (int64_t mb = 0; mb < M; mb += kColBlock)
             transpose_tile<S, T>(G, M, n0, tn, mb, std::min(mb + kColBlock, M), gt);
-#pragma omp for schedule(static)
-          for (int64_t i = 0; i < M; ++i) next[i] = crow[i];
-          for (int64_t k0 = 0; k0 < K; k0 += chunk) {
-            const int64_t k1 = std::min(k0 + chunk, K);
-            // The barrier closing the previous chunk's rows comes before this transpose.
-#pragma omp for schedule(static)
-            for (int64_t kb = k0; kb < k1; kb += kColBlock)
-              transpose_tile<S, T>(X, K, n0, tn, kb, std::min(kb + kColBlock, k1), xt);
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t ib = 0; ib < M; ib += kRowBlock)
-              sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, k1, k1 == K, ib,
-                                                 std::min(ib + kRowBlock, M), next, partial);
-          }
+          for (int64_t ib = 0; ib < M; ib += kRowBlock)
+            sddmm_rows<S, decltype(nv)::value>(crow, col, gt, xt, ib, std::min(ib + kRowBlock, M),
+                                               partial);
         });
       }
     }
-    if (!failed) {
 #pragma omp for schedule(static)
-      for (int64_t i = 0; i < M; ++i) {
-        S* row = D + i * K;
-        if (dense) std::memset(row, 0, sizeof(S) * K);
-        for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
-          S sum = partial[k];
-          for (int p = 1; p < ranges; ++p) sum += partial[nnz * p + k];
-          if (dense) {
-            row[col[k]] = sum;
-          } else {
-            D[k] = sum;
-          }
+    for (int64_t i = 0; i < M; ++i) {
+      S* row = D + i * K;
+      if (dense) std::memset(row, 0, sizeof(S) * K);
+      for (int32_t k = crow[i]; k < crow[i + 1]; ++k) {
+        S sum = partial[k];
+        for (int p = 1; p < ranges; ++p) sum += partial[nnz * p + k];
+        if (dense) {
+          row[col[k]] = sum;
+        } else {
+          D[k] = sum;
         }
       }
     }
   }
-  return failed;
+  return 0;
 }
 
 // --- CSR structure of a bool mask ---------------------------------------------------------------

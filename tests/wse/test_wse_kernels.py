@@ -623,8 +623,9 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
     """The forward SpMM (W's CSR), the input-gradient SpMM (W^T's CSR) and the SDDMM (dense and
     compact outputs) against masked dense products in float64; float32 within a tolerance that
     grows with the square root of a row's kept count (the rounding of a sum of that many terms)."""
-    # 400 rows: enough work at 17 tokens for two threads to split the rows of each tile.
-    out_features, in_features = 400, 1100
+    # 405 rows: a partial last block of 16 rows; enough work at 17 tokens for two threads to
+    # split the rows of each tile.
+    out_features, in_features = 405, 1100
     weight, mask, x, grad_y, csr = _kernel_operands(tokens, out_features, in_features, dtype, 7)
     assert csr.t_crow_indices is not None and csr.t_col_indices is not None
     assert csr.t_perm is not None
@@ -653,3 +654,65 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
     torch.testing.assert_close(grad_w.double(), reference, **tolerance)
     assert not grad_w[~mask].any(), "the SDDMM must write exact zeros where pruned"
     torch.testing.assert_close(grad_values.double(), reference[mask], **tolerance)
+
+
+def _isa_flags() -> list[str]:
+    """-march values of the kernels' portable paths this machine can run: AVX2 (32-byte vectors,
+    no AVX-512) and baseline x86-64 (the vector extensions lowered to SSE2)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return (["x86-64-v3"] if " avx2 " in flags and " fma " in flags else []) + ["x86-64"]
+
+
+@pytest.mark.parametrize("march", _isa_flags())
+def test_native_kernels_without_avx512_equal_masked_dense(march: str, tmp_path: Path) -> None:
+    """The kernels built for an older instruction set (what `-march=native` gives on a CPU
+    without AVX-512) against masked dense products, float64 and float32, on the tiling paths."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    built = tmp_path / f"wse_kernels_{march}.so"
+    flags = [f for f in native._CXX_FLAGS if not f.startswith("-march")]
+    source = Path(native.__file__).parent / "csrc" / "wse_kernels.cpp"
+    subprocess.run([compiler, *flags, f"-march={march}", str(source), "-o", str(built)], check=True)
+    lib = ctypes.CDLL(str(built))
+    native._declare(lib)
+    for dtype, suffix in ((torch.float64, "f64"), (torch.float32, "f32")):
+        for tokens, threads in ((17, 2), (129, 1), (300, 2)):
+            weight, mask, x, grad_y, csr = _kernel_operands(tokens, 405, 1100, dtype, tokens)
+            assert csr.t_crow_indices is not None and csr.t_col_indices is not None
+            assert csr.t_perm is not None
+            values = csr.gather_values(weight)
+            values_t = values[csr.t_perm.long()].contiguous()
+            y = torch.empty(tokens, 405, dtype=dtype)
+            grad_x = torch.empty(tokens, 1100, dtype=dtype)
+            grad_values = torch.empty(csr.nnz, dtype=dtype)
+            spmm, sddmm = (
+                getattr(lib, f"ls_spmm_{suffix}"),
+                getattr(lib, f"ls_sddmm_values_{suffix}"),
+            )
+            crow, col = csr.crow_indices.data_ptr(), csr.col_indices.data_ptr()
+            t_crow, t_col = csr.t_crow_indices.data_ptr(), csr.t_col_indices.data_ptr()
+            spmm(crow, col, values.data_ptr(), x.data_ptr(), None, tokens, 1100, 405,
+                 y.data_ptr(), threads)  # fmt: skip
+            spmm(t_crow, t_col, values_t.data_ptr(), grad_y.data_ptr(), None, tokens, 405, 1100,
+                 grad_x.data_ptr(), threads)  # fmt: skip
+            assert sddmm(crow, col, grad_y.data_ptr(), x.data_ptr(), tokens, 1100, 405,
+                         grad_values.data_ptr(), threads) == 0  # fmt: skip
+            w64, x64, g64 = weight.double(), x.double(), grad_y.double()
+            if dtype == torch.float64:
+                tolerance = {"rtol": 1e-12, "atol": 1e-12}
+            else:  # as in the test above: roundoff x sqrt(terms), with headroom
+                kept = int(mask.sum(1).max())
+                tolerance = {"rtol": 1e-5, "atol": 32 * 2**-24 * max(kept, tokens) ** 0.5}
+            torch.testing.assert_close(y.double(), x64 @ w64.t(), **tolerance)
+            torch.testing.assert_close(grad_x.double(), g64 @ w64, **tolerance)
+            reference = (g64.t() @ x64)[mask]
+            torch.testing.assert_close(grad_values.double(), reference, **tolerance)

@@ -259,7 +259,23 @@ void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* b
         store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
       }
     }
-    for (int64_t t = 0; t < tn; ++t) {  // back to token-major, one cache line per token
+    // Back to token-major, one cache line per token. A full block goes through L x L register
+    // transposes: the scalar copy cost 8% of the kernel at 90% sparsity and 15% at 95% (its
+    // share grows as the rows' kept weights shrink).
+    int64_t t = 0;
+#if LS_REGISTER_TRANSPOSE
+    if (ie - ib == kRowBlock) {
+      for (; t + L <= tn; t += L) {
+        for (int64_t r0 = 0; r0 < kRowBlock; r0 += L) {
+          Vec<S> r[L];
+          for (int j = 0; j < L; ++j) r[j] = load<S>(block + (r0 + j) * T + t);
+          transpose_block<S>(r);  // r[j]: token t + j of rows ib + r0 ... ib + r0 + L - 1
+          for (int j = 0; j < L; ++j) store<S>(Y + (n0 + t + j) * M + ib + r0, r[j]);
+        }
+      }
+    }
+#endif
+    for (; t < tn; ++t) {
       S* yr = Y + (n0 + t) * M + ib;
       for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
     }

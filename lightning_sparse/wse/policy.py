@@ -81,12 +81,15 @@ TUNED: dict[str, Tuned] = {
         "5 disturbed rounds had picked compiled at 0.91x for 4096x1024 at 70%",
     ),
     "spmm_tile_bytes": Tuned(
-        128 << 10,
-        "kernel timing of the 51M model's layers (1024x1024, 2752x1024, 1024x2752 at 90% and 95%, "
-        "512 tokens, 1 thread, interleaved budgets 32K-512K), 2-core AMD EPYC VM, 2026-11-25",
+        512 << 10,
+        "kernel timing of the 51M model's layers (1024x1024, 2816x1024, 1024x2816 at 90% and 95%, "
+        "512 tokens, 1 thread, builds interleaved), 2-core AMD EPYC VM, 2026-11-27 (load 1.3-1.6: "
+        "another process on the other core)",
         "the SpMM kernel's transposed token tile (features x tokens) is sized for this many "
-        "bytes: 42-46 GFLOP/s at 512K, 46-52 at 128K; an L1-blocked variant (32K column "
-        "blocks) was slower (35-45)",
+        "bytes, at most two vectors of tokens (the kernel's kSpmmVectors): two vectors at "
+        "K = 2816 (360 KB) run 84-92 GFLOP/s against 75-80 with the one that 128 KB allowed; "
+        "at K = 1024 two vectors (128 KB) beat four and eight (83-86); an L1-blocked variant "
+        "(32K column blocks) was slower (2026-11-25)",
     ),
     "sddmm_tile_bytes": Tuned(
         512 << 10,

@@ -574,3 +574,145 @@ def test_load_monitor_counts_other_processes_busy_cores(
     stat.write_text("cpu  1100 0 550 8050 100 0 0 0 0 0\ncpu0 ...\n")
     assert monitor.threads() == 1
     assert monitor.others == pytest.approx(1.0)
+
+
+# --- The native kernels' tiling paths, one by one -------------------------------------------
+# Tile budgets small enough for one vector of tokens per tile in every kernel (4 KB), and the
+# defaults (two vectors in the SpMM, four in the SDDMM at 1100 features). Shapes are not
+# multiples of the vector width (16 floats, 8 doubles), the 32-feature transpose block or the
+# tile; tokens cover one partial vector, a tile and a partial last tile, and the few-token path
+# where threads split the rows of each tile.
+KERNEL_BUDGETS = {"small_tiles": (4 << 10, 4 << 10), "defaults": None}
+
+
+@pytest.fixture(params=list(KERNEL_BUDGETS))
+def budgets(request: pytest.FixtureRequest):
+    if not kernels.compiled_available():
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    chosen = KERNEL_BUDGETS[request.param]
+    defaults = (
+        int(policy.TUNED["spmm_tile_bytes"].value),
+        int(policy.TUNED["sddmm_tile_bytes"].value),
+    )
+    native.set_tile_budgets(*(chosen or defaults))
+    yield request.param
+    native.set_tile_budgets(*defaults)
+
+
+def _kernel_operands(
+    tokens: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, CSRWeight]:
+    """(weight * mask, mask, x, grad_y, CSR with the transposed structure) with empty rows and
+    columns: rows 0 and 5 and columns 1 and in_features - 1 have no kept weight."""
+    generator = torch.Generator().manual_seed(seed)
+    mask = _mask((out_features, in_features), 0.9, seed=seed)
+    mask[[0, 5], :] = False
+    mask[:, [1, in_features - 1]] = False
+    weight = torch.randn(out_features, in_features, generator=generator, dtype=dtype) * mask
+    x = torch.randn(tokens, in_features, generator=generator, dtype=dtype)
+    grad_y = torch.randn(tokens, out_features, generator=generator, dtype=dtype)
+    csr = CSRWeight.from_dense(weight, mask, transpose=True, permutation=True)
+    return weight, mask, x, grad_y, csr
+
+
+@pytest.mark.parametrize("tokens", [1, 17, 129, 300])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_native_kernels_equal_masked_dense_on_every_tiling_path(
+    tokens: int, dtype: torch.dtype, budgets: str, threads: int
+) -> None:
+    """The forward SpMM (W's CSR), the input-gradient SpMM (W^T's CSR) and the SDDMM (dense and
+    compact outputs) against masked dense products in float64; float32 within a tolerance that
+    grows with the square root of a row's kept count (the rounding of a sum of that many terms)."""
+    # 405 rows: a partial last block of 16 rows; enough work at 17 tokens for two threads to
+    # split the rows of each tile.
+    out_features, in_features = 405, 1100
+    weight, mask, x, grad_y, csr = _kernel_operands(tokens, out_features, in_features, dtype, 7)
+    assert csr.t_crow_indices is not None and csr.t_col_indices is not None
+    assert csr.t_perm is not None
+    values = csr.gather_values(weight)
+    values_t = values[csr.t_perm.long()].contiguous()
+    bias = torch.randn(out_features, dtype=dtype)
+    w64, x64, g64 = weight.double(), x.double(), grad_y.double()
+
+    y = torch.empty(tokens, out_features, dtype=dtype)
+    native.spmm(csr.crow_indices, csr.col_indices, values, x, bias, y)
+    grad_x = torch.empty(tokens, in_features, dtype=dtype)
+    native.spmm(csr.t_crow_indices, csr.t_col_indices, values_t, grad_y, None, grad_x)
+    grad_w = torch.full((out_features, in_features), float("nan"), dtype=dtype)
+    native.sddmm(csr.crow_indices, csr.col_indices, grad_y, x, grad_w)
+    grad_values = torch.full((csr.nnz,), float("nan"), dtype=dtype)
+    native.sddmm(csr.crow_indices, csr.col_indices, grad_y, x, grad_values)
+
+    kept = int(mask.sum(1).max())
+    if dtype == torch.float64:
+        tolerance = {"rtol": 1e-12, "atol": 1e-12}
+    else:  # unit roundoff x sqrt(terms) x magnitude (unit normal operands), with headroom
+        tolerance = {"rtol": 1e-5, "atol": 8 * 2**-24 * max(kept, tokens) ** 0.5 * 4}
+    torch.testing.assert_close(y.double(), x64 @ w64.t() + bias.double(), **tolerance)
+    torch.testing.assert_close(grad_x.double(), g64 @ w64, **tolerance)
+    reference = (g64.t() @ x64) * mask
+    torch.testing.assert_close(grad_w.double(), reference, **tolerance)
+    assert not grad_w[~mask].any(), "the SDDMM must write exact zeros where pruned"
+    torch.testing.assert_close(grad_values.double(), reference[mask], **tolerance)
+
+
+def _isa_flags() -> list[str]:
+    """-march values of the kernels' portable paths this machine can run: AVX2 (32-byte vectors,
+    no AVX-512) and baseline x86-64 (the vector extensions lowered to SSE2)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return []
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return (["x86-64-v3"] if " avx2 " in flags and " fma " in flags else []) + ["x86-64"]
+
+
+@pytest.mark.parametrize("march", _isa_flags())
+def test_native_kernels_without_avx512_equal_masked_dense(march: str, tmp_path: Path) -> None:
+    """The kernels built for an older instruction set (what `-march=native` gives on a CPU
+    without AVX-512) against masked dense products, float64 and float32, on the tiling paths."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    built = tmp_path / f"wse_kernels_{march}.so"
+    flags = [f for f in native._CXX_FLAGS if not f.startswith("-march")]
+    source = Path(native.__file__).parent / "csrc" / "wse_kernels.cpp"
+    subprocess.run([compiler, *flags, f"-march={march}", str(source), "-o", str(built)], check=True)
+    lib = ctypes.CDLL(str(built))
+    native._declare(lib)
+    for dtype, suffix in ((torch.float64, "f64"), (torch.float32, "f32")):
+        for tokens, threads in ((17, 2), (129, 1), (300, 2)):
+            weight, mask, x, grad_y, csr = _kernel_operands(tokens, 405, 1100, dtype, tokens)
+            assert csr.t_crow_indices is not None and csr.t_col_indices is not None
+            assert csr.t_perm is not None
+            values = csr.gather_values(weight)
+            values_t = values[csr.t_perm.long()].contiguous()
+            y = torch.empty(tokens, 405, dtype=dtype)
+            grad_x = torch.empty(tokens, 1100, dtype=dtype)
+            grad_values = torch.empty(csr.nnz, dtype=dtype)
+            spmm, sddmm = (
+                getattr(lib, f"ls_spmm_{suffix}"),
+                getattr(lib, f"ls_sddmm_values_{suffix}"),
+            )
+            crow, col = csr.crow_indices.data_ptr(), csr.col_indices.data_ptr()
+            t_crow, t_col = csr.t_crow_indices.data_ptr(), csr.t_col_indices.data_ptr()
+            spmm(crow, col, values.data_ptr(), x.data_ptr(), None, tokens, 1100, 405,
+                 y.data_ptr(), threads)  # fmt: skip
+            spmm(t_crow, t_col, values_t.data_ptr(), grad_y.data_ptr(), None, tokens, 405, 1100,
+                 grad_x.data_ptr(), threads)  # fmt: skip
+            assert sddmm(crow, col, grad_y.data_ptr(), x.data_ptr(), tokens, 1100, 405,
+                         grad_values.data_ptr(), threads) == 0  # fmt: skip
+            w64, x64, g64 = weight.double(), x.double(), grad_y.double()
+            if dtype == torch.float64:
+                tolerance = {"rtol": 1e-12, "atol": 1e-12}
+            else:  # as in the test above: roundoff x sqrt(terms), with headroom
+                kept = int(mask.sum(1).max())
+                tolerance = {"rtol": 1e-5, "atol": 32 * 2**-24 * max(kept, tokens) ** 0.5}
+            torch.testing.assert_close(y.double(), x64 @ w64.t(), **tolerance)
+            torch.testing.assert_close(grad_x.double(), g64 @ w64, **tolerance)
+            reference = (g64.t() @ x64)[mask]
+            torch.testing.assert_close(grad_values.double(), reference, **tolerance)

@@ -115,11 +115,14 @@ constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line 
 constexpr int64_t kColBlock = 32;  // features per transpose work item
 // The randomly accessed transposed tile (K features x T tokens) is sized to stay in a share of L2
 // (more tokens per tile amortize each kept weight's index and value loads over more FMAs; a
-// smaller tile stays closer to the core). SDDMM streams its gradient tile row by row, so only its
-// X tile counts. Set at load time from the Python side's tuned constants (`ls_set_tile_budgets`,
-// `policy.TUNED`); these are the defaults.
-int64_t g_spmm_budget = 128 << 10;
+// smaller tile stays closer to the core). The SpMM takes at most kSpmmVectors vectors of tokens:
+// on the 51M model's shapes two vectors (32 floats) beat four and eight at K = 1024 and one at
+// K = 2816 (+7-11% where the former 128 KB budget allowed only one). SDDMM streams its gradient
+// tile row by row, so only its X tile counts. Set at load time from the Python side's tuned
+// constants (`ls_set_tile_budgets`, `policy.TUNED`); these are the defaults.
+int64_t g_spmm_budget = 512 << 10;
 int64_t g_sddmm_budget = 512 << 10;
+constexpr int kSpmmVectors = 2;
 constexpr int64_t kMinTokensPerThread = 32;
 
 // One thread for small problems: a parallel region costs microseconds, and when the cores are
@@ -190,8 +193,9 @@ inline void transpose_block(Vec<S>* r) {
 
 // dst[k * T + t] = src[(n0 + t) * ld + k] for k in [k0, k1), t < tn; zero-pads tokens tn..T-1 so
 // the kernels always run full-width vectors. Full L x L blocks go through registers (about twice
-// as fast as strided scalar copies); the output side stays scalar, where register transposes
-// lost to 4 KiB-strided vector stores.
+// as fast as strided scalar copies). (An earlier register-transposed SpMM write-back lost to its
+// 4 KiB-strided vector stores; the one in spmm_rows, 16 rows x L tokens per block, measured 2-9%
+// faster than the scalar copy on 2026-11-27.)
 template <typename S, int T>
 inline void transpose_tile(const S* src, int64_t ld, int64_t n0, int64_t tn, int64_t k0, int64_t k1,
                            S* dst) {
@@ -256,7 +260,23 @@ void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* b
         store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
       }
     }
-    for (int64_t t = 0; t < tn; ++t) {  // back to token-major, one cache line per token
+    // Back to token-major, one cache line per token. A full block goes through L x L register
+    // transposes: the scalar copy cost 8% of the kernel at 90% sparsity and 15% at 95% (its
+    // share grows as the rows' kept weights shrink).
+    int64_t t = 0;
+#if LS_REGISTER_TRANSPOSE
+    if (ie - ib == kRowBlock) {
+      for (; t + L <= tn; t += L) {
+        for (int64_t r0 = 0; r0 < kRowBlock; r0 += L) {
+          Vec<S> r[L];
+          for (int j = 0; j < L; ++j) r[j] = load<S>(block + (r0 + j) * T + t);
+          transpose_block<S>(r);  // r[j]: token t + j of rows ib + r0 ... ib + r0 + L - 1
+          for (int j = 0; j < L; ++j) store<S>(Y + (n0 + t + j) * M + ib + r0, r[j]);
+        }
+      }
+    }
+#endif
+    for (; t < tn; ++t) {
       S* yr = Y + (n0 + t) * M + ib;
       for (int64_t r = 0; r < ie - ib; ++r) yr[r] = block[r * T + t];
     }
@@ -266,7 +286,7 @@ void spmm_rows(const int32_t* crow, const int32_t* col, const S* val, const S* b
 template <typename S>
 void spmm(const int32_t* crow, const int32_t* col, const S* val, const S* X, const S* bias,
           int64_t N, int64_t K, int64_t M, S* Y, int threads) {
-  const int cap = max_vectors<S>(K, g_spmm_budget);
+  const int cap = std::min(kSpmmVectors, max_vectors<S>(K, g_spmm_budget));
   const int64_t T_cap = cap * kLanes<S>;
   threads = threads_for(crow[M], N, K + M, threads);
   if (threads == 1 || N >= threads * kMinTokensPerThread) {

@@ -162,11 +162,7 @@ def to_compact(
         old = optimizer.state.get(weight)
         state = None if old is None else _moved(old, weight.shape, csr.gather_values)
     # Commit: nothing below allocates a tensor of the weight's size or can fail halfway.
-    values.grad = grad
-    group["params"][index] = values
-    if old is not None:
-        del optimizer.state[weight]
-        optimizer.state[values] = state
+    _take_place(optimizer, group, index, weight, values, grad, state)
     weight.grad = None
     weight.data = _placeholder(weight)
     return CompactState(weight, values, csr, optimizer)
@@ -193,6 +189,24 @@ def to_dense(compact: CompactState) -> None:
     if old is not None:
         del optimizer.state[values]
         optimizer.state[weight] = state
+
+
+def _take_place(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    index: int,
+    old: Tensor,
+    values: nn.Parameter,
+    grad: Tensor | None,
+    state: dict[str, Any] | None,
+) -> None:
+    """``values`` (with ``grad``) takes ``old``'s place at ``group["params"][index]``, and
+    ``state`` (None: ``old`` had none) its optimizer state. Allocates nothing, cannot fail."""
+    values.grad = grad
+    group["params"][index] = values
+    if state is not None:
+        del optimizer.state[old]
+        optimizer.state[values] = state
 
 
 def rebuild(
@@ -236,11 +250,7 @@ def rebuild(
         state = optimizer.state.get(old)
         moved = None if state is None else _moved(state, old.shape, move)
     # Commit: nothing below allocates or can fail halfway.
-    values.grad = new_grad
-    group["params"][index] = values
-    if state is not None:
-        del optimizer.state[old]
-        optimizer.state[values] = moved
+    _take_place(optimizer, group, index, old, values, new_grad, moved)
     # The spent values may outlive this (a graph kept after its backward holds its leaves): let
     # them hold nothing.
     old.grad = None

@@ -6,7 +6,6 @@ updates; its misuses are refused before anything is modified."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,31 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_sparse.core import GMP, SET, GraNet, RigL, SparsityAlgorithm, Static
 from lightning_sparse.models.llama import Llama, LlamaConfig
 from lightning_sparse.wse import on_wse
 from lightning_sparse.wse.layer import STATE
 from tests.helpers import one_thread, token_loader  # noqa: F401  (one_thread: autouse fixture)
-from tests.wse.test_wse_device import ALGORITHMS as LIGHTNING_ALGORITHMS
-from tests.wse.test_wse_device import PATH, STEPS
+from tests.wse.test_wse_device import (
+    ALGORITHMS,
+    PATH,
+    STEPS,
+)
 from tests.wse.test_wse_device import _fit as lightning_fit
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*[Ss]parse.*:UserWarning")
 MASKED = 14  # the tiny Llama's projection matrices
-
-ALGORITHMS: dict[str, Callable[[], SparsityAlgorithm]] = {
-    "static": lambda: Static(0.75, seed=1),
-    "gmp": lambda: GMP(
-        {"type": "cubic", "init": 0.0, "final": 0.7, "begin": 0, "end": 8}, update={"freq": 2}
-    ),
-    "set": lambda: SET(0.75, update={"freq": 3}, drop_fraction=0.3, seed=1),
-    "rigl": lambda: RigL(0.75, update={"freq": 3}, drop_fraction=0.3, seed=1),
-    "granet": lambda: GraNet(
-        {"type": "cubic", "init": 0.3, "final": 0.8, "begin": 0, "end": 8},
-        update={"freq": 2},
-        drop_fraction=0.3,
-    ),
-}
 
 
 class Net(nn.Module):
@@ -202,7 +189,7 @@ def test_plain_equals_the_lightning_device() -> None:
     """The same RigL run (mask updates at steps 3, 6, 9) in a plain loop on the device and
     through ``Trainer(accelerator="wse")``: one machinery, the same numbers."""
     plain = _plain("rigl", True)
-    lit = lightning_fit(_wse(), LIGHTNING_ALGORITHMS["rigl"])
+    lit = lightning_fit(_wse(), ALGORITHMS["rigl"])
     _same(plain["losses"], lit["losses"], "losses")
     state = {k: v for k, v in lit["state"].items() if k in plain["model"]}  # weights, buffers
     _same(plain["model"], state, "model")

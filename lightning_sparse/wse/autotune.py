@@ -4,9 +4,11 @@
 ``LIGHTNING_SPARSE_WSE_PATH`` environment variable) is checked and returned; "auto" (default)
 times every path that can run (`policy.unsupported_reason`) on synthetic data of the call's shape
 and structure, interleaved, scoring each by its best round, once per `policy.autotune_key`, and
-lets `policy.choose_path` decide. The rules (margins, the decode bytes rule, when a close call is
-measured longer) and their tuned constants are `policy.py`'s; this module only measures and
-caches.
+lets `policy.choose_path` decide. A few-token inference call (decode) is timed cycling through
+copies of the layer that fill twice the last-level cache (`policy.decode_stream_copies`), so the
+weights come from memory as in a model's decode, not from cache as when one layer is timed alone.
+The rules (margins, how many copies, when a close call is measured longer) and their tuned
+constants are `policy.py`'s; this module only measures and caches.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import functools
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -112,10 +115,6 @@ def _autotune(
     Candidates run interleaved; each is scored by its best repeat, the least disturbed by other
     processes, which estimates its intrinsic cost better than the median on a shared machine.
     """
-    if "dense" in candidates and policy.decode_forces_dense(
-        csr.shape, csr.nnz, x.element_size(), tokens, requires_grad
-    ):
-        return "dense"
     if len(candidates) == 1:
         return candidates[0]
     generator = torch.Generator(device=x.device).manual_seed(0)
@@ -127,12 +126,26 @@ def _autotune(
         if mode == "compact":
             ws = csr.gather_values(ws.detach()).requires_grad_()
         runs = {p: functools.partial(_time_once, p, xs, ws, csr, True, mode) for p in candidates}
-    else:  # what inference runs: a runner on pre-gathered values (`inference_runner`)
-        values = csr.gather_values(ws)
+    else:  # what inference runs: runners on pre-gathered values (`inference_runner`)
         mask = csr.to_mask()
-        runners = {p: inference_runner(p, values, csr, ws, mask, None) for p in candidates}
+        ws = ws * mask  # masked, so the dense runner holds it (no copy of its own)
+        layer_bytes = ws.numel() * ws.element_size()
+        copies = policy.decode_stream_copies(layer_bytes, _cache_bytes(), tokens, requires_grad)
+        if copies is None:  # too small to stream past the cache: the bytes rule, one copy
+            if "dense" in candidates and policy.decode_forces_dense(
+                csr.shape, csr.nnz, x.element_size(), tokens, requires_grad
+            ):
+                return "dense"
+            copies = 1
+        # Few-token calls cycle through copies larger than the cache: in a model's decode each
+        # layer's weights come from memory, which timing one layer in cache misses.
+        weights = [ws] + [ws.clone() for _ in range(copies - 1)]
+        runners = {
+            p: [inference_runner(p, csr.gather_values(w), csr, w, mask, None) for w in weights]
+            for p in candidates
+        }
         few = tokens <= TUNED["few_tokens"].value
-        calls = int(TUNED["runner_calls"].value) if few else 1
+        calls = max(int(TUNED["runner_calls"].value), copies) if few else 1
         runs = {p: functools.partial(_time_runner, runners[p], xs, calls) for p in candidates}
     for repeat in range(int(TUNED["repeats"].value) + 1):
         for p in candidates:
@@ -148,12 +161,13 @@ def _autotune(
     return policy.choose_path(best, policy.margin(requires_grad))
 
 
-def _time_runner(runner: Callable[[Tensor], Tensor], x: Tensor, calls: int = 1) -> float:
+def _time_runner(runners: list[Callable[[Tensor], Tensor]], x: Tensor, calls: int = 1) -> float:
+    """Seconds of ``calls`` calls, cycling through ``runners`` (copies of one layer)."""
     _synchronize(x.device)
     start = time.perf_counter()
     with torch.no_grad():
-        for _ in range(calls):
-            runner(x)
+        for call in range(calls):
+            runners[call % len(runners)](x)
     _synchronize(x.device)
     return time.perf_counter() - start
 
@@ -177,6 +191,25 @@ def _time_once(
             y.sum().backward()
     _synchronize(x.device)
     return time.perf_counter() - start
+
+
+@functools.cache
+def _cache_bytes() -> int | None:
+    """Bytes of this machine's last-level CPU cache (sysfs), None where unknown."""
+    best: tuple[int, int] | None = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        number = size.rstrip("KMG")
+        if not number.isdigit():
+            continue
+        found = (level, int(number) * units.get(size[-1], 1))
+        best = found if best is None or found > best else best
+    return None if best is None else best[1]
 
 
 def _synchronize(device: torch.device) -> None:

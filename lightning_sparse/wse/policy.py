@@ -26,6 +26,7 @@ __all__ = [
     "choose_path",
     "close_call",
     "decode_forces_dense",
+    "decode_stream_copies",
     "kernel_threads",
     "margin",
     "token_bucket_of",
@@ -68,7 +69,8 @@ TUNED: dict[str, Tuned] = {
     ),
     "decode_bytes_ratio": Tuned(
         0.5,
-        "benchmarks/bench_wse_decode.py --dim 1024 (2-core Intel Xeon VM, 2026-11-23)",
+        "benchmarks/bench_wse_decode.py --dim 1024 (2-core Intel Xeon VM, 2026-11-23); now "
+        "only serving's storage rule (`csr_linear.runs_in_csr`), not re-measured",
         "few-token inference streams each layer's weights from memory, which timing one layer "
         "(weights in cache) misses: a sparse path is a candidate only if its values and column "
         "indices are at most this share of the dense bytes; at 50% (0.75 of the bytes) one-token "
@@ -109,6 +111,23 @@ TUNED: dict[str, Tuned] = {
     "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),
     "runner_calls": Tuned(
         8, "design", "calls per timed decode sample: one call is below timer and scheduler noise"
+    ),
+    "decode_stream_caches": Tuned(
+        2,
+        "python benchmarks/bench_wse_decode.py --dim 1024 --sparsities 0.5 (2-core AMD EPYC VM, "
+        "32 MB L3, 2026-11-27)",
+        "few-token inference is timed through copies of the layer filling this many times the "
+        "last-level cache, so weights stream from memory as in a model's decode; the bytes rule "
+        "it replaces for such layers (a sparse path only below half the dense bytes, from an "
+        "Intel Xeon) kept every 50% layer dense here, where the one-token kernel runs the "
+        "model's token 2.2x faster than dense",
+    ),
+    "decode_stream_copies": Tuned(
+        64,
+        "python benchmarks/bench_wse_decode.py (the recipe model, dim 128; AMD EPYC, 2026-11-27)",
+        "at most this many copies of a layer in a streamed decode timing; a smaller layer keeps "
+        "the bytes rule: streamed 128x352 layers timed the one-token kernel faster, which made "
+        "the recipe model's decode (in cache) 0.86x dense against 0.92x with the rule",
     ),
 }
 
@@ -161,14 +180,32 @@ def token_bucket_of(key: tuple) -> int:
 def decode_forces_dense(
     shape: tuple[int, int], nnz: int, element_size: int, tokens: int, requires_grad: bool
 ) -> bool:
-    """Whether a few-token inference call must run dense, however fast a sparse path times alone:
-    its values plus column indices (16-bit up to 65536 columns) exceed
-    ``TUNED["decode_bytes_ratio"]`` of the dense weight's bytes."""
+    """Whether a weight served in CSR (`csr_linear.runs_in_csr`) is served dense instead: its
+    values plus column indices (16-bit up to 65536 columns) exceed
+    ``TUNED["decode_bytes_ratio"]`` of the dense weight's bytes. The device's "auto" applies it
+    to few-token calls of layers too small to time beyond the cache (`decode_stream_copies`
+    None); larger ones it times streamed."""
     if requires_grad or tokens > TUNED["few_tokens"].value:
         return False
     index_bytes = 2 if shape[1] <= 65536 else 4  # the one-token kernel's column indices
     sparse_bytes = nnz * (element_size + index_bytes)
     return sparse_bytes > TUNED["decode_bytes_ratio"].value * shape[0] * shape[1] * element_size
+
+
+def decode_stream_copies(
+    layer_bytes: int, cache_bytes: int | None, tokens: int, requires_grad: bool
+) -> int | None:
+    """Copies of a layer the path timing cycles through: for few-token inference as many as
+    fill ``TUNED["decode_stream_caches"]`` times the last-level cache of ``cache_bytes`` (None:
+    unknown, taken as 32 MB), so each call reads its weights from memory as in a model's decode;
+    None where that takes more than ``TUNED["decode_stream_copies"]`` (a layer this small
+    belongs to a model that sits in cache: `decode_forces_dense` and one copy decide, as
+    before); 1 for other calls (weights in cache, as in a many-token call)."""
+    if requires_grad or tokens > TUNED["few_tokens"].value:
+        return 1
+    stream = TUNED["decode_stream_caches"].value * (cache_bytes or 32 << 20)
+    copies = max(math.ceil(stream / max(layer_bytes, 1)), 1)
+    return None if copies > TUNED["decode_stream_copies"].value else copies
 
 
 def kernel_threads(requested: int, cpus: int, others_busy: float | None) -> int:

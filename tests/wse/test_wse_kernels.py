@@ -6,6 +6,7 @@ and in the gradients w.r.t. x, weight (dense, zero where pruned) and bias.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -327,9 +328,10 @@ def _fake_timings(
         run.path = path  # type: ignore[attr-defined]
         return run
 
-    def time_runner(run: object, x: torch.Tensor, calls: int = 1) -> float:
-        timed.append((run.path, False))  # type: ignore[attr-defined]
-        return seconds[run.path]  # type: ignore[attr-defined]
+    def time_runner(runs: list[object], x: torch.Tensor, calls: int = 1) -> float:
+        path = runs[0].path  # type: ignore[attr-defined]
+        timed.append((path, False))
+        return seconds[path]
 
     monkeypatch.setattr(autotune, "_time_once", time_once)
     monkeypatch.setattr(autotune, "inference_runner", runner)
@@ -485,24 +487,86 @@ def test_training_needs_the_wider_margin(
     clear_autotune_cache()
 
 
-@pytest.mark.parametrize(("sparsity", "tokens", "expected"), [
-    (0.5, 1, "dense"),    # values + 16-bit indices: 0.75 of the dense bytes, memory-bound
-    (0.8, 1, "sparse"),   # 0.3 of the dense bytes
-    (0.5, 32, "sparse"),  # a prefill is not memory-bound: timing decides
+@pytest.mark.parametrize(("sparsity", "told", "expected"), [
+    (0.5, {"compiled": 1.3, "torch": 1.4, "dense": 1.0}, "dense"),   # sparse loses: dense
+    (0.9, {"compiled": 1.3, "torch": 1.4, "dense": 1.0}, "dense"),   # even at 90%
+    (0.9, {"compiled": 0.3, "torch": 0.4, "dense": 1.0}, "sparse"),  # sparse wins at 90%
+    (0.5, {"compiled": 0.5, "torch": 0.6, "dense": 1.0}, "sparse"),  # and at 50%, if measured
 ])  # fmt: skip
-def test_decode_takes_a_sparse_path_only_if_it_halves_the_bytes(
+def test_decode_follows_the_measurement(
+    monkeypatch: pytest.MonkeyPatch, sparsity: float, told: dict[str, float], expected: str
+) -> None:
+    """One-token inference of a layer large enough to time beyond the cache takes the path the
+    streamed timing says is fastest: dense where the sparse paths lose, sparse where they win,
+    at 50% as at 90% (no fixed density rule)."""
+    clear_autotune_cache()
+    monkeypatch.setattr(autotune, "_cache_bytes", lambda: 64 * 48 * 4 * 5)  # 10 copies stream
+    _fake_timings(monkeypatch, told)
+    weight = torch.randn(64, 48)
+    csr = CSRWeight.from_dense(weight, _mask((64, 48), sparsity, seed=4))
+    chosen = kernels.resolve_path(torch.randn(1, 48), weight, csr, "auto", False)
+    sparse = "compiled" if kernels.compiled_available() else "torch"
+    assert chosen == (sparse if expected == "sparse" else "dense")
+    clear_autotune_cache()
+
+
+@pytest.mark.parametrize(("layer_bytes", "cache", "tokens", "grad", "expected"), [
+    (4 << 20, 32 << 20, 1, False, 16),      # 2 x 32 MB of 4 MB copies
+    (11 << 20, 32 << 20, 16, False, 6),     # ceil(64 / 11)
+    (1 << 20, 32 << 20, 1, False, 64),      # 64 copies: still streamed
+    (180 << 10, 32 << 20, 1, False, None),  # too small to stream: its model sits in cache
+    (4 << 20, None, 1, False, 16),          # cache unknown: 32 MB
+    (4 << 20, 32 << 20, 17, False, 1),      # not decode: weights in cache
+    (4 << 20, 32 << 20, 1, True, 1),        # training: one copy
+])  # fmt: skip
+def test_decode_is_timed_through_copies_beyond_the_cache(
+    layer_bytes: int, cache: int | None, tokens: int, grad: bool, expected: int | None
+) -> None:
+    assert policy.decode_stream_copies(layer_bytes, cache, tokens, grad) == expected
+
+
+@pytest.mark.parametrize(("sparsity", "tokens", "expected"), [
+    (0.5, 1, "dense"),    # values + 16-bit indices: 0.75 of the dense bytes
+    (0.8, 1, "sparse"),   # 0.3 of the dense bytes
+    (0.5, 32, "sparse"),  # a prefill: timing decides
+])  # fmt: skip
+def test_a_layer_too_small_to_stream_keeps_the_bytes_rule(
     monkeypatch: pytest.MonkeyPatch, sparsity: float, tokens: int, expected: str
 ) -> None:
-    """Few-token inference streams weights from memory in a model, which timing one layer
-    (weights in cache) misses: a sparse layout must at least halve the bytes
+    """A layer too small to time beyond the cache (`policy.decode_stream_copies` None: its model
+    sits in cache) takes a sparse decode path only if it halves the bytes
     (`TUNED["decode_bytes_ratio"]`), however fast it ran alone."""
     clear_autotune_cache()
+    monkeypatch.setattr(autotune, "_cache_bytes", lambda: 32 << 20)
     _fake_timings(monkeypatch, {"compiled": 0.5, "torch": 0.5, "dense": 1.0})
     weight = torch.randn(64, 48)
     csr = CSRWeight.from_dense(weight, _mask((64, 48), sparsity, seed=4))
     chosen = kernels.resolve_path(torch.randn(tokens, 48), weight, csr, "auto", False)
     sparse = "compiled" if kernels.compiled_available() else "torch"
     assert chosen == (sparse if expected == "sparse" else "dense")
+    clear_autotune_cache()
+
+
+def test_decode_timing_streams_through_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few-token timing cycles through `policy.decode_stream_copies` distinct copies of the
+    layer (dense: each runner on its own weight), a many-token one runs one."""
+    clear_autotune_cache()
+    monkeypatch.setattr(autotune, "_cache_bytes", lambda: 64 * 48 * 4 * 5)  # 10 copies
+    seen: dict[int, list[int]] = {}
+
+    def time_runner(runs: list[object], x: torch.Tensor, calls: int = 1) -> float:
+        if isinstance(runs[0], functools.partial):  # dense: F.linear on its own weight copy
+            seen.setdefault(x.shape[0], []).append(
+                len({r.keywords["weight"].data_ptr() for r in runs})  # type: ignore[attr-defined]
+            )
+        return 1.0
+
+    monkeypatch.setattr(autotune, "_time_runner", time_runner)
+    weight = torch.randn(64, 48)
+    csr = CSRWeight.from_dense(weight, _mask((64, 48), 0.5, seed=4))
+    for tokens in (1, 64):
+        kernels.resolve_path(torch.randn(tokens, 48), weight, csr, "auto", False)
+    assert set(seen[1]) == {10} and set(seen[64]) == {1}
     clear_autotune_cache()
 
 

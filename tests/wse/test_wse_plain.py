@@ -17,6 +17,7 @@ from lightning_sparse.models.llama import Llama, LlamaConfig
 from lightning_sparse.wse import on_wse
 from lightning_sparse.wse.layer import STATE
 from tests.helpers import one_thread, token_loader  # noqa: F401  (one_thread: autouse fixture)
+from tests.wse.test_wse_compact import _close  # tensors, dicts, lists: equal in float64
 from tests.wse.test_wse_device import (
     ALGORITHMS,
     PATH,
@@ -123,25 +124,6 @@ def _plain(
     }
 
 
-def _same(a: Any, b: Any, what: str) -> None:
-    if torch.is_tensor(a):
-        assert a.shape == b.shape and a.dtype == b.dtype, what
-        if a.dtype == torch.bool:
-            assert torch.equal(a, b), what
-        else:
-            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=what)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for key in a:
-            _same(a[key], b[key], f"{what}/{key}")
-    elif isinstance(a, list | tuple):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, what
-
-
 CASES = [
     ("static", "adamw", 1),
     ("static", "sgd", 2),
@@ -162,10 +144,10 @@ def test_plain_compact_training_equals_masked_dense_training(
     held = Held()
     cpu = _plain(kind, False, optimizer, accumulate)
     wse = _plain(kind, True, optimizer, accumulate, held=held)
-    _same(wse["losses"], cpu["losses"], "losses")
-    _same(wse["model"], cpu["model"], "model")
-    _same(wse["optimizer"], cpu["optimizer"], "optimizer")
-    _same(wse["masks"], cpu["masks"], "masks")
+    _close(wse["losses"], cpu["losses"], "losses")
+    _close(wse["model"], cpu["model"], "model")
+    _close(wse["optimizer"], cpu["optimizer"], "optimizer")
+    _close(wse["masks"], cpu["masks"], "masks")
     assert len(cpu["masks"]) == MASKED
     # Compact inside the block: before every step the masked weights held one element each.
     assert held.weight_bytes == [MASKED * 8] * STEPS
@@ -181,8 +163,8 @@ def test_the_algorithm_may_own_a_model_that_contains_the_one_on_the_device() -> 
     wse = _plain("rigl", True, steps=7, held=held, inner=True)
     cpu = _plain("rigl", False, steps=7)
     assert held.weight_bytes == [MASKED * 8] * 7
-    _same(wse["model"], cpu["model"], "model")
-    _same(wse["masks"], cpu["masks"], "masks")
+    _close(wse["model"], cpu["model"], "model")
+    _close(wse["masks"], cpu["masks"], "masks")
 
 
 def test_plain_equals_the_lightning_device() -> None:
@@ -190,10 +172,10 @@ def test_plain_equals_the_lightning_device() -> None:
     through ``Trainer(accelerator="wse")``: one machinery, the same numbers."""
     plain = _plain("rigl", True)
     lit = lightning_fit(_wse(), ALGORITHMS["rigl"])
-    _same(plain["losses"], lit["losses"], "losses")
+    _close(plain["losses"], lit["losses"], "losses")
     state = {k: v for k, v in lit["state"].items() if k in plain["model"]}  # weights, buffers
-    _same(plain["model"], state, "model")
-    _same(plain["masks"], {k: v for k, v in lit["state"].items() if k.endswith("_mask")}, "masks")
+    _close(plain["model"], state, "model")
+    _close(plain["masks"], {k: v for k, v in lit["state"].items() if k.endswith("_mask")}, "masks")
 
 
 def _wse() -> Any:
@@ -221,7 +203,7 @@ def test_after_the_block_training_goes_on_as_on_the_cpu_path() -> None:
             assert [id(p) for p in params] == [id(p) for p in model.parameters()]
         runs[device] = (saved, copy.deepcopy(model.state_dict()),
                         copy.deepcopy(optimizer.state_dict()))  # fmt: skip
-    _same(runs[True], runs[False], "after the block")
+    _close(runs[True], runs[False], "after the block")
 
 
 # ------------------------------------------------------------------ refusals
@@ -244,7 +226,7 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_before_anything_changes
     with pytest.raises(TypeError, match="Adafactor.*elementwise|elementwise.*Adafactor"):
         with on_wse(model, optimizer=optimizer):
             pass
-    _same(_snapshot(model, optimizer), before, "unchanged")
+    _close(_snapshot(model, optimizer), before, "unchanged")
 
 
 def test_an_optimizer_of_other_parameters_is_refused() -> None:
@@ -254,7 +236,7 @@ def test_an_optimizer_of_other_parameters_is_refused() -> None:
     with pytest.raises(ValueError, match="none of the optimizer's parameters"):
         with on_wse(model, optimizer=other):
             pass
-    _same(_snapshot(model, other), before, "unchanged")
+    _close(_snapshot(model, other), before, "unchanged")
 
 
 def test_an_optimizer_missing_a_masked_weight_is_refused_and_names_it() -> None:
@@ -266,7 +248,7 @@ def test_an_optimizer_missing_a_masked_weight_is_refused_and_names_it() -> None:
     with pytest.raises(ValueError, match=rf"{name!r}.*steps it 0 times"):
         with on_wse(model, optimizer=optimizer):
             pass
-    _same(_snapshot(model, optimizer), before, "unchanged")
+    _close(_snapshot(model, optimizer), before, "unchanged")
 
 
 def test_on_wse_twice_is_refused_and_the_first_block_trains_on() -> None:

@@ -16,13 +16,13 @@ This script measures, in one process, on this machine:
   pass      dense (vendor BLAS)    device (native CSR kernels, compact)
   ========  =====================  ======================================
   forward   ``X @ W^T``            SpMM over ``W``'s CSR
-  input     ``dY @ W``             SpMM over ``W^T``'s CSR (``t_perm``)
+  input     ``dY @ W``             scatter along ``W``'s CSR (``spmm_t``)
   weight    ``dY^T @ X``           SDDMM at the kept positions (values)
   ========  =====================  ======================================
 
 For each: useful FLOPs (dense ``2 N out in``; sparse ``2 N nnz``), the minimum bytes (every
-operand read once, the result written once: values + int32 column indices + row pointers for
-the sparse operand), their ratio (arithmetic intensity, FLOP/byte), the roof at that intensity
+operand read once, the result written once: values + column indices (16-bit) + row pointers
+for the sparse operand), their ratio (arithmetic intensity, FLOP/byte), the roof at that intensity
 (``min(compute roof, intensity x memory roof)``), the achieved GFLOP/s and its share of the roof,
 and the time ratio dense / sparse (> 1: the kernel beats the BLAS).
 
@@ -92,16 +92,12 @@ def layer_rows(
     weight = torch.randn(out_f, in_f, generator=g)
     mask = torch.rand(out_f, in_f, generator=g) >= sparsity
     weight *= mask
-    csr = CSRWeight.from_dense(weight, mask, transpose=True, permutation=True)
-    assert csr.t_perm is not None and csr.t_crow_indices is not None
-    assert csr.t_col_indices is not None
+    csr = CSRWeight.from_dense(weight, mask)
     values = csr.gather_values(weight)
-    values_t = values[csr.t_perm.long()].contiguous()
     x, grad_y = torch.randn(tokens, in_f, generator=g), torch.randn(tokens, out_f, generator=g)
     y, grad_x = torch.empty(tokens, out_f), torch.empty(tokens, in_f)
     grad_w, grad_values = torch.empty(out_f, in_f), torch.empty(csr.nnz)
     crow, col = csr.crow_indices, csr.col_indices
-    t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
     nnz = csr.nnz
     index_bytes = nnz * col.element_size() + (out_f + 1) * crow.element_size()
     dense_w = 4 * out_f * in_f
@@ -111,7 +107,7 @@ def layer_rows(
         ("forward", lambda: torch.mm(x, weight.t(), out=y),
          lambda: native.spmm(crow, col, values, x, None, y)),
         ("input grad", lambda: torch.mm(grad_y, weight, out=grad_x),
-         lambda: native.spmm(t_crow, t_col, values_t, grad_y, None, grad_x)),
+         lambda: native.spmm_t(crow, col, values, grad_y, grad_x)),
         ("weight grad", lambda: torch.mm(grad_y.t(), x, out=grad_w),
          lambda: native.sddmm(crow, col, grad_y, x, grad_values)),
     )  # fmt: skip

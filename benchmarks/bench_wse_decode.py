@@ -17,11 +17,11 @@ Two measures: ``generate`` = `Llama.generate` (greedy, batch 1, ``--prompt`` tok
 ``--new`` tokens, decoded incrementally with the model's KV cache: one token through the model
 per step), and ``1-token`` = one forward of a single token without a cache (the per-token
 Linear work alone). Memory: weight bytes of the 28 masked
-matrices in CSR (fp32 values, int32 indices) versus dense fp32: ``forward`` = values + column
-indices + row pointers (the device's storage of the weight), ``held inf`` = what the emulator
-holds for them in inference (a forward-only `CSRWeight` and the cached kept values) and
-``held trn`` = in training (the indices of both orientations; values are gathered per call from
-the live weight, which the optimizer owns).
+matrices in CSR (fp32 values, 16-bit column indices) versus dense fp32: ``forward`` = values +
+column indices + row pointers (the device's storage of the weight), ``held inf`` = what the
+emulator holds for them in inference (the `CSRWeight` and the cached kept values) and
+``held trn`` = in training (the same `CSRWeight`; values are gathered per call from the live
+weight, which the optimizer owns).
 
     python benchmarks/bench_wse_decode.py [--rounds 7] [--prompt 32] [--new 64] [--threads 2]
     python benchmarks/bench_wse_decode.py --dim 1024 --sparsities 0.9   # a memory-bound size
@@ -72,20 +72,14 @@ def masked_linears(model: nn.Module) -> list[nn.Linear]:
     return [m for m in model.modules() if isinstance(m, nn.Linear) and hasattr(m, "weight_mask")]
 
 
-def held_bytes(model: nn.Module, transpose: bool, value_bytes: int = 4) -> int:
-    """Bytes the emulator holds for the masked layers: the structure it runs on (forward-only
-    for inference, ``transpose=False``; with the transposed indices for training) plus, for
-    inference, the kept values it caches (training gathers them per call)."""
+def held_bytes(model: nn.Module, training: bool, value_bytes: int = 4) -> int:
+    """Bytes the emulator holds for the masked layers: the structure it runs on (one for
+    inference and training: 16-bit columns where ``in <= 65536``, which every kernel reads) plus,
+    for inference, the kept values it caches (training gathers them per call)."""
     total = 0
     for layer in masked_linears(model):
-        csr = CSRWeight.from_dense(layer.weight.detach(), layer.weight_mask, transpose=transpose)
-        if transpose:
-            total += csr.nbytes
-            continue
-        # Inference: forward-only structure, the cached values, and the one-token kernel's own
-        # 16-bit column indices (in <= 65536; see native.one_token_layout).
-        one_token = 2 * csr.nnz if csr.shape[1] <= 1 << 16 else 0
-        total += csr.nbytes + csr.nnz * value_bytes + one_token
+        csr = CSRWeight.from_dense(layer.weight.detach(), layer.weight_mask)
+        total += csr.nbytes + (0 if training else csr.nnz * value_bytes)
     return total
 
 
@@ -263,7 +257,7 @@ def main() -> None:
             dense_bytes = stats["weight_bytes_dense"]
             value_bytes = 2 if name in drift else 4
             mem = (
-                f"{stats['weight_bytes_ratio_forward']:.3f}",
+                f"{stats['weight_bytes_ratio_csr']:.3f}",
                 f"{held_bytes(model, False, value_bytes) / dense_bytes:.3f}",
                 f"{held_bytes(model, True) / dense_bytes:.3f}",
             )
@@ -279,11 +273,10 @@ def main() -> None:
             f"{same[name]}"
         )
     print(
-        "\nmem = weight bytes of the masked matrices / dense fp32: fwd = CSR values + int32 "
+        "\nmem = weight bytes of the masked matrices / dense fp32: fwd = CSR values + 16-bit "
         "column indices + row pointers (the device's storage); held inf / held trn = what the "
-        "emulator holds for them in inference (forward-only structure + cached values + the "
-        "one-token kernel's 16-bit column indices; bf16 rows: bf16 values) / in "
-        "training (indices of both orientations; values gathered per call). = masked: the "
+        "emulator holds for them in inference (the structure + cached values; bf16 rows: bf16 "
+        "values) / in training (the same structure; values gathered per call). = masked: the "
         "device's greedy tokens equal those of the same masked model run dense."
     )
     choices = sorted({(k[2], k[3], k[4], v) for k, v in autotune_choices().items() if not k[5]})
@@ -304,7 +297,7 @@ def main() -> None:
     key = f"wse {GOAL_SPARSITY:.2f}"
     if key in models:
         speed = gen["dense"] / gen[key]
-        memory = executors[key].stats.memory_dict()["weight_bytes_ratio_forward"]
+        memory = executors[key].stats.memory_dict()["weight_bytes_ratio_csr"]
         dense_bytes = executors[key].stats.memory_dict()["weight_bytes_dense"]
         held = held_bytes(models[key], False) / dense_bytes
         held_training = held_bytes(models[key], True) / dense_bytes

@@ -255,9 +255,9 @@ def rest_by_operator(cfg: dict[str, int], tokens: int, cpu_ms: float) -> str:
 
 
 def _gathers(csr: Any, weight: torch.Tensor) -> None:
-    """The device's per-step value gathers of one layer (forward: CSR order; backward: W^T)."""
+    """The device's per-step value gathers of one layer (forward and backward: CSR order)."""
     csr.gather_values(weight)
-    csr.gather_values_t(weight)
+    csr.gather_values(weight)
 
 
 def breakdown(cfg: dict[str, int], tokens: int, cpu_ms: float, wse_ms: float) -> None:

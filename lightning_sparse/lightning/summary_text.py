@@ -67,9 +67,8 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
             f"  FLOPs executed {device['flops_executed']:.3e} vs {device['flops_dense']:.3e} "
             f"dense ({_ratio(device['flops_dense'], device['flops_executed']):.2f}x fewer), "
             f"{device['dense_grad_steps']} steps with dense weight gradients",
-            f"  weights in CSR {device['weight_bytes_csr_both']:,} bytes for training "
-            f"({device['weight_bytes_csr_forward']:,} for inference) vs "
-            f"{device['weight_bytes_dense']:,} dense",
+            f"  weights in CSR {device['weight_bytes_csr']:,} bytes (training and inference) "
+            f"vs {device['weight_bytes_dense']:,} dense",
             f"  CSR rebuilds {device['rebuilds']} ({device['rebuild_seconds']:.2f} s)",
         ]
     return "\n".join(lines)

@@ -72,8 +72,8 @@ def resolve_path(
             algorithm already keeps the pruned weights and gradients at exactly 0 (the device's
             executor under a sparsity algorithm); "auto" then times that as dense's cost.
         compact: the caller holds the kept values, not a weight (`ops.run_compact_path`, the
-            device's compact training); "auto" times the compact ops (``csr`` must carry
-            ``t_perm``), dense as ``F.linear`` on the weight built from the values per call.
+            device's compact training); "auto" times the compact ops, dense as ``F.linear``
+            on the weight built from the values per call.
 
     Returns:
         The path. "auto" measures the candidates on first use of a key and caches the winner.

@@ -83,7 +83,7 @@ class CompactState:
     Attributes:
         weight: the layer's weight parameter (the dense handle; holds no values meanwhile).
         values: the kept values ``[nnz]``, the parameter the optimizer steps.
-        csr: the structure the values follow (with ``t_perm``).
+        csr: the structure the values follow.
         optimizer: the optimizer holding ``values`` (weakly).
     """
 
@@ -148,9 +148,9 @@ def to_compact(
     csr: CSRWeight,
     slot: tuple[torch.optim.Optimizer, dict[str, Any], int],
 ) -> CompactState:
-    """Move ``weight`` (dense, pruned) into compact form under ``csr`` (built with
-    ``permutation=True``): its kept values, gradient and weight-shaped optimizer state are
-    gathered, the values take its place in the optimizer, and the weight is emptied.
+    """Move ``weight`` (dense, pruned) into compact form under ``csr``: its kept values,
+    gradient and weight-shaped optimizer state are gathered, the values take its place in the
+    optimizer, and the weight is emptied.
 
     Positions ``csr`` drops (a mask that changed since the weight was pruned) are dropped with
     their gradient and moments, as the cpu path's pruning zeroes them.

@@ -1,11 +1,13 @@
 """CSR layout of a masked weight, the storage format of the emulated wafer-scale device.
 
 A `CSRWeight` holds the compressed-sparse-row structure of a weight `W [out, in]` under a bool mask
-(True = kept) together with the same structure transposed (the CSR of `W^T`, i.e. the CSC of `W`),
-which the input gradient `grad_X = grad_Y W` walks. It holds indices only, compact int32 as the
-device would store them: two index sets of `nnz` entries plus two row-pointer arrays, 8 bytes per
-kept weight (0.2x a dense fp32 weight at 90% sparsity). Values are gathered from the live weight
-when a kernel needs them (`gather_values`, `gather_values_t`), so an optimizer step never
+(True = kept): row pointers and the column of each kept weight, as the device would store them.
+Every kernel walks this one orientation: the forward `Y = X W^T` gathers input columns, the input
+gradient `grad_X = grad_Y W` scatters into them (`native.spmm_t`), the weight gradient samples
+them (SDDMM), so no transposed structure is kept. Column indices are 16-bit (int16 bit patterns of
+uint16) on the CPU where ``in <= 65536``, else int32: 2 bytes per kept weight plus 4 per row, half
+the bytes of the kept fp32 values (0.05x a dense fp32 weight at 90% sparsity). Values are gathered
+from the live weight when a kernel needs them (`gather_values`), so an optimizer step never
 invalidates a `CSRWeight`, only a mask change does. Building is one native pass over the mask when
 the compiled kernels are available (see `native.py`), else a handful of vectorised tensor ops;
 never a Python loop over elements.
@@ -19,45 +21,31 @@ import torch
 from torch import Tensor
 
 _INT32_MAX = 2**31 - 1
+U16_COLUMNS = 1 << 16
+"""Widest weight whose column indices a CPU structure holds in 16 bits."""
 
 
 @dataclass(frozen=True, eq=False)
 class CSRWeight:
-    """Compressed sparse row structure of a masked `[out, in]` weight, plus its transpose.
+    """Compressed sparse row structure of a masked `[out, in]` weight.
 
     Build it with `CSRWeight.from_dense(weight, mask)`; the fields are read-only tensors.
 
     Attributes:
         shape: `(out, in)` of the dense weight.
         crow_indices: int32 `[out + 1]`; row `i` owns entries `crow_indices[i]:crow_indices[i+1]`.
-        col_indices: int32 `[nnz]`; input column of each entry, ascending within a row.
-        t_crow_indices: int32 `[in + 1]`; row pointers of `W^T` (column pointers of `W`); None
-            in a forward-only structure (``transpose=False``: inference needs no input gradient).
-        t_col_indices: int32 `[nnz]`; the `W` row of each entry in transposed order, ascending
-            within each column; None in a forward-only structure.
-        t_perm: int32 `[nnz]`; the CSR position of each entry in transposed order, so
-            ``values[t_perm]`` are `W^T`'s values (a compact layer holds values, not a dense
-            weight to gather from); None unless built with ``permutation=True``.
+        col_indices: `[nnz]`; input column of each entry, ascending within a row: int16 bit
+            patterns of uint16 columns on the CPU where ``in <= 65536`` (`columns()` widens
+            them), else int32.
     """
 
     shape: tuple[int, int]
     crow_indices: Tensor
     col_indices: Tensor
-    t_crow_indices: Tensor | None
-    t_col_indices: Tensor | None
-    t_perm: Tensor | None = None
 
     @classmethod
-    def from_dense(
-        cls,
-        weight: Tensor,
-        mask: Tensor,
-        *,
-        compiled: bool | None = None,
-        transpose: bool = True,
-        permutation: bool = False,
-    ) -> CSRWeight:
-        """Builds the CSR and transposed-CSR structure of `mask` for `weight`.
+    def from_dense(cls, weight: Tensor, mask: Tensor, *, compiled: bool | None = None) -> CSRWeight:
+        """Builds the CSR structure of `mask` for `weight`.
 
         Entries are exactly the True positions of the mask, even where the weight value is 0
         (unlike `Tensor.to_sparse_csr`, which drops zeros and would lose their gradients).
@@ -67,10 +55,6 @@ class CSRWeight:
             mask: bool `[out, in]`, True = kept.
             compiled: use the native builder (True), PyTorch ops (False), or the native builder
                 whenever it is available for this device (None). Both give identical results.
-            transpose: also build the transposed structure (what the input gradient walks);
-                False halves the indices held, for inference.
-            permutation: also keep ``t_perm`` (with ``transpose``): a compact layer's input
-                gradient reads `W^T`'s values from its value vector.
 
         Returns:
             The structure. Cost: one O(out * in) pass over the mask plus O(nnz) work.
@@ -94,15 +78,8 @@ class CSRWeight:
             raise ValueError(
                 f"a {out_features}x{in_features} weight is too large for int32 CSR indices"
             )
-        crow, cols, t_crow, t_col, t_perm = _indices(mask.detach(), compiled)
-        return cls(
-            (out_features, in_features),
-            crow,
-            cols,
-            t_crow if transpose else None,
-            t_col if transpose else None,
-            t_perm if transpose and permutation else None,
-        )
+        crow, cols = _indices(mask.detach(), compiled)
+        return cls((out_features, in_features), crow, cols)
 
     @property
     def nnz(self) -> int:
@@ -121,18 +98,21 @@ class CSRWeight:
         return self.col_indices.device
 
     @property
-    def has_transpose(self) -> bool:
-        """Whether the transposed structure (for the input gradient) was built."""
-        return self.t_col_indices is not None
-
-    @property
     def nbytes(self) -> int:
         """Bytes this structure holds (its index tensors)."""
-        fields = (
-            self.crow_indices, self.col_indices, self.t_crow_indices, self.t_col_indices,
-            self.t_perm,
-        )  # fmt: skip
-        return sum(t.nbytes for t in fields if t is not None)
+        return self.crow_indices.nbytes + self.col_indices.nbytes
+
+    @property
+    def narrow(self) -> bool:
+        """Whether the column indices are 16-bit (int16 bit patterns of uint16 columns)."""
+        return self.col_indices.dtype == torch.int16
+
+    def columns(self, dtype: torch.dtype = torch.int64) -> Tensor:
+        """The column of each entry `[nnz]` as ``dtype`` (int32 or int64): a new tensor where the
+        indices are 16-bit, else ``col_indices`` itself (int32) or its int64 copy."""
+        if self.narrow:
+            return self.col_indices.to(dtype).bitwise_and_(0xFFFF)
+        return self.col_indices.to(dtype)
 
     def same_structure(self, other: CSRWeight) -> bool:
         """Whether ``other`` has exactly this structure (same shape and kept positions)."""
@@ -149,43 +129,29 @@ class CSRWeight:
         Raises:
             ValueError: if `weight` does not have this structure's shape.
         """
-        return self._gather(weight, transposed=False)
-
-    def gather_values_t(self, weight: Tensor) -> Tensor:
-        """Kept values of `weight` in the transposed structure's order (the CSR values of
-        `W^T`), shape `[nnz]`."""
-        return self._gather(weight, transposed=True)
-
-    def _gather(self, weight: Tensor, transposed: bool) -> Tensor:
         if tuple(weight.shape) != self.shape:
             raise ValueError(
                 f"weight shape {tuple(weight.shape)} does not match CSRWeight shape {self.shape}; "
                 "rebuild the CSRWeight after changing the layer"
             )
-        pointers, indices = (
-            self._transposed() if transposed else (self.crow_indices, self.col_indices)
-        )
         if _native_gather_ok(weight):
             from lightning_sparse.wse import native  # deferred: native.py is loaded on first use
 
             out = weight.new_empty(self.nnz)
             if not weight.is_contiguous() and weight.t().is_contiguous():
-                # W = V^T of a contiguous V (an HF Conv1D's [in, out] weight): W's CSR order is
-                # V's transposed-CSR order and vice versa, so gather from V without a copy.
-                native.gather(pointers, indices, weight.t(), not transposed, out)
+                # W = V^T of a contiguous V (an HF Conv1D's [in, out] weight): W's CSR walks V by
+                # columns, so gather from V without a copy.
+                native.gather(self.crow_indices, self.col_indices, weight.t(), True, out)
                 return out
-            native.gather(pointers, indices, weight.contiguous(), transposed, out)
+            native.gather(self.crow_indices, self.col_indices, weight.contiguous(), False, out)
             return out
-        return weight.reshape(-1).index_select(0, self.flat_indices(transposed))
+        return weight.reshape(-1).index_select(0, self.flat_indices())
 
-    def flat_indices(self, transposed: bool = False) -> Tensor:
+    def flat_indices(self) -> Tensor:
         """int64 `[nnz]` positions `row * in + col` in the flattened weight of each entry, in CSR
-        order (or transposed-CSR order); computed, not stored."""
+        order; computed, not stored."""
         rows, cols = self.shape
-        if transposed:
-            t_crow, t_col = self._transposed()
-            return t_col.long() * cols + _entry_rows(t_crow, cols)
-        return _entry_rows(self.crow_indices, rows) * cols + self.col_indices.long()
+        return _entry_rows(self.crow_indices, rows).mul_(cols).add_(self.columns())
 
     def to_mask(self) -> Tensor:
         """The bool mask `[out, in]` of this structure."""
@@ -206,38 +172,13 @@ class CSRWeight:
         dense.index_put_((self.flat_indices(),), values)
         return dense.view(self.shape)
 
-    def transposed_values(self, values: Tensor) -> Tensor:
-        """``values`` (`[nnz]`, CSR order) in the transposed structure's order: `W^T`'s values.
-
-        Raises:
-            ValueError: if the structure was built without ``permutation=True``.
-        """
-        if self.t_perm is None:
-            raise ValueError(
-                "this CSRWeight has no transposed permutation; build it with "
-                "CSRWeight.from_dense(weight, mask, permutation=True)"
-            )
-        return values.index_select(0, self.t_perm)
-
-    def to_torch_csr(self, weight: Tensor, transposed: bool = False) -> Tensor:
-        """PyTorch sparse CSR tensor of `weight`'s kept values (of `W^T` with `transposed=True`),
-        sharing this structure's indices."""
-        if transposed:
-            t_crow, t_col = self._transposed()
-            return torch.sparse_csr_tensor(
-                t_crow, t_col, self.gather_values_t(weight), (self.shape[1], self.shape[0])
-            )
+    def to_torch_csr(self, weight: Tensor) -> Tensor:
+        """PyTorch sparse CSR tensor of `weight`'s kept values (int32 indices; 16-bit columns
+        are widened into a new tensor)."""
+        columns = self.columns(torch.int32) if self.narrow else self.col_indices
         return torch.sparse_csr_tensor(
-            self.crow_indices, self.col_indices, self.gather_values(weight), self.shape
+            self.crow_indices, columns, self.gather_values(weight), self.shape
         )
-
-    def _transposed(self) -> tuple[Tensor, Tensor]:
-        if self.t_crow_indices is None or self.t_col_indices is None:
-            raise ValueError(
-                "this CSRWeight was built forward-only (transpose=False); build it with "
-                "CSRWeight.from_dense(weight, mask) to walk W^T (the input gradient)"
-            )
-        return self.t_crow_indices, self.t_col_indices
 
     def __repr__(self) -> str:
         return (
@@ -262,16 +203,15 @@ def _entry_rows(pointers: Tensor, num_rows: int) -> Tensor:
     return torch.repeat_interleave(torch.arange(num_rows, device=pointers.device), counts)
 
 
-def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """int32 `(crow, col, t_crow, t_col, t_perm)` of a bool mask, natively or in PyTorch."""
+def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor]:
+    """`(crow, col)` of a bool mask (see `CSRWeight`), natively or in PyTorch."""
     if compiled is not False and mask.device.type == "cpu":
         # Deferred import: the native library is built on first use.
         from lightning_sparse.wse import native
 
         reason = native.unavailable_reason()
         if reason is None:
-            crow, col, _, t_crow, t_col, t_perm = native.csr_indices(mask)
-            return crow, col, t_crow, t_col, t_perm
+            return native.csr_indices(mask)
         if compiled:
             raise ValueError(f"compiled=True but the native CSR builder is unavailable: {reason}")
     elif compiled:
@@ -280,17 +220,10 @@ def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor, Tenso
     # nonzero() yields kept positions in row-major order, i.e. already in CSR order.
     flat = mask.reshape(-1).nonzero().squeeze(1)
     rows = torch.div(flat, max(in_features, 1), rounding_mode="floor")
-    cols = (flat - rows * in_features).to(torch.int32)
-    # A stable sort by column keeps rows ascending within each column: the CSC order of W.
-    # int32 keys matter: torch's stable int64 sort is orders of magnitude slower on CPU.
-    t_perm = torch.sort(cols, stable=True).indices.to(torch.int32)
-    return (
-        _row_pointers(rows, out_features),
-        cols,
-        _row_pointers(cols, in_features),
-        rows.to(torch.int32).index_select(0, t_perm),
-        t_perm,
-    )
+    narrow = mask.device.type == "cpu" and in_features <= U16_COLUMNS
+    # int16 keeps the low 16 bits: the column as uint16.
+    cols = (flat - rows * in_features).to(torch.int16 if narrow else torch.int32)
+    return _row_pointers(rows, out_features), cols
 
 
 def _row_pointers(row_of_entry: Tensor, num_rows: int) -> Tensor:

@@ -5,9 +5,8 @@ training can go on; serving a trained model needs none of that. A `CSRLinear` ho
 decode kernels read and nothing else:
 
 - ``crow_indices``: int32 `[out + 1]` row pointers;
-- ``col_indices``: the column of each kept weight, `[nnz]`: the one-token kernel's 16-bit indices
-  (int16 bit patterns of uint16 columns) where the compiled kernels run and ``in <= 65536``,
-  else int32 (a multi-token call widens the 16-bit ones for that call only);
+- ``col_indices``: the column of each kept weight, `[nnz]`: 16-bit (int16 bit patterns of uint16
+  columns) where ``in <= 65536``, which every compiled kernel reads directly, else int32;
 - ``values``: the kept values `[nnz]` in CSR order (float32, bfloat16 storage of float32, or
   float64);
 - ``bias`` `[out]` if any.
@@ -183,7 +182,7 @@ class CSRLinear(nn.Module):
         if max(rows * cols, rows + 1, cols + 1) > _INT32_MAX:
             raise ValueError(f"a {rows}x{cols} weight is too large for int32 CSR indices")
         out_features, in_features = (cols, rows) if transposed else (rows, cols)
-        narrow = not transposed and _narrow_columns(in_features, dtype)
+        narrow = not transposed and _narrow_columns(in_features)
         crow, columns = _structure(blocks, rows, cols, nnz, narrow)
         if row_offsets is not None and not torch.equal(
             row_offsets.reshape(-1).long(), crow[:-1].long()
@@ -193,7 +192,7 @@ class CSRLinear(nn.Module):
             )
         if transposed:
             crow, columns, values = _transpose(crow, columns, values, cols)
-            if _narrow_columns(in_features, dtype):
+            if _narrow_columns(in_features):
                 columns = columns.to(torch.int16)
         if bias is not None:
             wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -250,8 +249,6 @@ class CSRLinear(nn.Module):
             )
         self._dtype = self.compute_dtype
         path = "compiled" if native.unavailable_reason() is None else "torch"
-        if path == "torch" and self.col_indices.dtype == torch.int16:
-            raise ValueError("16-bit column indices need the compiled kernels")
         shape = (self.out_features, self.in_features)
         return csr_runner(path, self.crow_indices, self.col_indices, self.values, shape, self.bias)
 
@@ -277,13 +274,10 @@ def _held_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     return dtype
 
 
-def _narrow_columns(in_features: int, dtype: torch.dtype) -> bool:
-    """Whether the one-token kernel's 16-bit column indices are the ones held."""
-    return (
-        in_features <= native.U16_COLUMNS
-        and dtype in (torch.float32, torch.bfloat16)
-        and native.unavailable_reason() is None
-    )
+def _narrow_columns(in_features: int) -> bool:
+    """Whether 16-bit column indices are the ones held (any values dtype: every compiled kernel
+    reads them, the "torch" path widens them per call)."""
+    return in_features <= native.U16_COLUMNS
 
 
 def unpack_bitmask(bitmask: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -153,7 +153,7 @@ class LayerState:
             self.try_compact(module, mask)
         if self.compact is not None:
             return self._run_compact(x, module, inference)
-        csr = self.structure(module, mask, transpose=not inference)
+        csr = self.structure(module, mask)
         if inference:
             y, kept = infer(self, x, module, csr)
             self._record(x, y, weight, kept, dense_grad=False)
@@ -199,7 +199,7 @@ class LayerState:
             return
         if weight.dtype not in CSR_DTYPES or weight.device.type != "cpu":
             return
-        csr = self.structure(module, mask, transpose=True, permutation=True)  # finds owners
+        csr = self.structure(module, mask)  # finds owners
         if not self.zeros_kept(module, mask):
             return
         slot = compact_state.find_slot(registry.optimizers(), weight)
@@ -293,7 +293,7 @@ class LayerState:
         if mask is None:  # removed (densify): the next forward goes dense
             compact.weight.grad, self.candidates = None, None
             return
-        csr = self.structure(module, mask, transpose=True, permutation=True)
+        csr = self.structure(module, mask)
         if csr is compact.csr:
             compact.weight.grad, self.candidates = None, None
             return
@@ -319,7 +319,7 @@ class LayerState:
         assert compact is not None
         if mask is None or module._parameters.get("weight") is not compact.weight:
             return False
-        return self.structure(module, mask, transpose=True, permutation=True) is compact.csr
+        return self.structure(module, mask) is compact.csr
 
     def _run_compact(self, x: Tensor, module: nn.Module, inference: bool) -> Tensor:
         """The forward of a compact layer: from its values, in training or inference."""
@@ -372,20 +372,14 @@ class LayerState:
                 return True
         return False
 
-    def structure(
-        self, module: nn.Module, mask: Tensor, transpose: bool = True, permutation: bool = False
-    ) -> CSRWeight:
+    def structure(self, module: nn.Module, mask: Tensor) -> CSRWeight:
         """The `CSRWeight` (``[out, in]``) of ``mask`` (the module's buffer), rebuilt only when
-        the mask may have changed (or when training needs the transposed structure, or a compact
-        layer the permutation, that the cached one lacks)."""
+        the mask may have changed (one structure serves inference and training)."""
         csr = self.csr
         # A structure built under inference_mode holds inference tensors, which autograd may not
-        # save for backward: rebuild it for training. Inference builds forward-only structures.
-        usable = (
-            csr is not None
-            and (not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled())
-            and (csr.has_transpose or not transpose)
-            and (csr.t_perm is not None or not permutation)
+        # save for backward: rebuild it for training.
+        usable = csr is not None and (
+            not csr.crow_indices.is_inference() or torch.is_inference_mode_enabled()
         )
         version = version_of(mask)
         if (
@@ -398,9 +392,7 @@ class LayerState:
             return csr
         start = time.perf_counter()
         weight = self.out_in(weight_of(module).detach())
-        built = CSRWeight.from_dense(
-            weight, self.out_in(mask), transpose=transpose or permutation, permutation=permutation
-        )
+        built = CSRWeight.from_dense(weight, self.out_in(mask))
         seconds = time.perf_counter() - start
         if csr is not None and usable and built.same_structure(csr):
             # Written, but unchanged (DDP's buffer broadcast, reloading the same masks): keep the

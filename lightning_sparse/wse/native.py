@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from lightning_sparse.wse.csr import U16_COLUMNS
 from lightning_sparse.wse.policy import TUNED
 from lightning_sparse.wse.threads import kernel_threads
 
@@ -40,9 +41,11 @@ __all__ = [
     "library",
     "one_token_layout",
     "scatter",
+    "narrow_columns",
     "sddmm",
     "set_tile_budgets",
     "spmm",
+    "spmm_t",
     "unavailable_reason",
 ]
 
@@ -52,8 +55,6 @@ CACHE_ENV = "LIGHTNING_SPARSE_CACHE_DIR"
 """Directory for the built library; default `$XDG_CACHE_HOME/lightning_sparse` or `~/.cache/...`."""
 _SOURCE = (Path(__file__).parent / "csrc" / "wse_kernels.cpp").read_text()
 _CXX_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-fopenmp", "-march=native")
-U16_COLUMNS = 1 << 16
-"""Widest weight whose column indices the one-token kernel stores in 16 bits."""
 
 
 @functools.cache
@@ -83,20 +84,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.ls_set_tile_budgets.restype = None
     lib.ls_csr_count.argtypes = [pointer, size, size, pointer, integer]
     lib.ls_csr_count.restype = size
-    lib.ls_csr_fill.argtypes = [pointer, size, size, *[pointer] * 6, integer]
-    lib.ls_csr_fill.restype = integer
-    for suffix in ("f32", "f64"):
-        spmm_ = getattr(lib, f"ls_spmm_{suffix}")
-        spmm_.argtypes = [pointer] * 5 + [size] * 3 + [pointer, integer]
-        spmm_.restype = None
-        for name in ("ls_sddmm", "ls_sddmm_values"):
-            sddmm_ = getattr(lib, f"{name}_{suffix}")
-            sddmm_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
-            sddmm_.restype = integer
-        for name in ("ls_gather", "ls_gather_t", "ls_scatter"):
-            function = getattr(lib, f"{name}_{suffix}")
-            function.argtypes = [pointer] * 3 + [size] * 2 + [pointer, integer]
-            function.restype = None
+    for index_kind in ("i32", "u16"):
+        cols = getattr(lib, f"ls_csr_cols_{index_kind}")
+        cols.argtypes = [pointer, size, size, pointer, pointer, integer]
+        cols.restype = None
+        for suffix in ("f32", "f64"):
+            kinds = f"{suffix}_{index_kind}"
+            spmm_ = getattr(lib, f"ls_spmm_{kinds}")
+            spmm_.argtypes = [pointer] * 5 + [size] * 3 + [pointer, integer]
+            spmm_.restype = None
+            for name in ("ls_spmm_t", "ls_sddmm", "ls_sddmm_values"):
+                function_ = getattr(lib, f"{name}_{kinds}")
+                function_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
+                function_.restype = integer
+            for name in ("ls_gather", "ls_gather_t", "ls_scatter"):
+                function_ = getattr(lib, f"{name}_{kinds}")
+                function_.argtypes = [pointer] * 3 + [size] * 2 + [pointer, integer]
+                function_.restype = None
     for values_kind in ("f32", "bf16"):
         for index_kind in ("u16", "i32"):
             spmv = getattr(lib, f"ls_spmv_{values_kind}_{index_kind}")
@@ -165,17 +169,26 @@ def _loaded() -> ctypes.CDLL:
     return lib
 
 
-def function(name: str, dtype: torch.dtype) -> Callable[..., int | None]:
-    """The exported ``<name>_f32`` or ``<name>_f64`` for ``dtype``."""
-    return getattr(_loaded(), f"{name}_{'f32' if dtype == torch.float32 else 'f64'}")
+def function(name: str, dtype: torch.dtype, columns: Tensor) -> Callable[..., int | None]:
+    """The exported ``<name>_<values>_<indices>`` for values of ``dtype`` (float32: f32, float64:
+    f64) and the ``columns``' index type (int16 bit patterns of uint16: u16, int32: i32)."""
+    values_kind = "f32" if dtype == torch.float32 else "f64"
+    index_kind = "u16" if columns.dtype == torch.int16 else "i32"
+    return getattr(_loaded(), f"{name}_{values_kind}_{index_kind}")
 
 
-def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def narrow_columns(in_features: int) -> bool:
+    """Whether a weight with ``in_features`` columns keeps its column indices in 16 bits."""
+    return in_features <= U16_COLUMNS
+
+
+def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor]:
     """CSR structure of a CPU bool mask `[M, K]` by the native builder.
 
     Returns:
-        int32 `(crow [M+1], col [nnz], flat [nnz], t_crow [K+1], t_col [nnz], t_perm [nnz])` as
-        documented on `CSRWeight`.
+        ``(crow, col)``: int32 row pointers `[M+1]` and the column of each kept entry `[nnz]`,
+        ascending within a row: int16 bit patterns of uint16 columns where ``K <= 65536``
+        (`narrow_columns`), else int32.
 
     Raises:
         RuntimeError: if the native library is unavailable.
@@ -186,25 +199,22 @@ def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, T
     threads = kernel_threads()
     crow = torch.empty(rows + 1, dtype=torch.int32)
     nnz = lib.ls_csr_count(mask.data_ptr(), rows, cols, crow.data_ptr(), threads)
-    col, flat, t_col, t_perm = (torch.empty(nnz, dtype=torch.int32) for _ in range(4))
-    t_crow = torch.empty(cols + 1, dtype=torch.int32)
-    status = lib.ls_csr_fill(
-        mask.data_ptr(), rows, cols, crow.data_ptr(), col.data_ptr(), flat.data_ptr(),
-        t_crow.data_ptr(), t_col.data_ptr(), t_perm.data_ptr(), threads,
-    )  # fmt: skip
-    if status != 0:
-        raise MemoryError("the native CSR builder could not allocate its work buffer")
-    return crow, col, flat, t_crow, t_col, t_perm
+    narrow = narrow_columns(cols)
+    col = torch.empty(nnz, dtype=torch.int16 if narrow else torch.int32)
+    fill = lib.ls_csr_cols_u16 if narrow else lib.ls_csr_cols_i32
+    fill(mask.data_ptr(), rows, cols, crow.data_ptr(), col.data_ptr(), threads)
+    return crow, col
 
 
 def gather(
     pointers: Tensor, indices: Tensor, weight: Tensor, transposed: bool, out: Tensor
 ) -> None:
     """``out [nnz]`` = kept values of the contiguous CPU ``weight [M, K]`` in CSR order
-    (``pointers``/``indices`` = crow/col) or transposed-CSR order (t_crow/t_col)."""
+    (``pointers``/``indices`` = crow/col), or, with ``transposed``, the values of ``weight^T``'s
+    CSR (crow/col of ``[K, M]``) read from ``weight`` (an HF Conv1D's ``[in, out]`` weight)."""
     name = "ls_gather_t" if transposed else "ls_gather"
     rows, cols = weight.shape
-    function(name, weight.dtype)(
+    function(name, weight.dtype, indices)(
         pointers.data_ptr(), indices.data_ptr(), weight.data_ptr(), rows, cols, out.data_ptr(),
         kernel_threads(),
     )  # fmt: skip
@@ -213,7 +223,7 @@ def gather(
 def scatter(crow: Tensor, col: Tensor, values: Tensor, out: Tensor) -> None:
     """``out [M, K]`` = the kept ``values [nnz]`` (CSR order) at their positions, zero elsewhere."""
     rows, cols = out.shape
-    function("ls_scatter", values.dtype)(
+    function("ls_scatter", values.dtype, col)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), rows, cols, out.data_ptr(),
         kernel_threads(),
     )  # fmt: skip
@@ -223,18 +233,29 @@ def spmm(
     crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, bias: Tensor | None, out: Tensor
 ) -> None:
     """``out [N, M] = x2 [N, K] @ S^T (+ bias)`` for ``S [M, K]`` in CSR; all contiguous."""
-    function("ls_spmm", x2.dtype)(
+    function("ls_spmm", x2.dtype, col)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), x2.data_ptr(),
         None if bias is None else bias.data_ptr(),
         x2.shape[0], x2.shape[1], out.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip
 
 
+def spmm_t(crow: Tensor, col: Tensor, values: Tensor, grad_y2: Tensor, out: Tensor) -> None:
+    """``out [N, K] = grad_y2 [N, M] @ S`` for ``S [M, K]`` in CSR (the input gradient of
+    ``x2 @ S^T``, on S's own structure); all contiguous."""
+    status = function("ls_spmm_t", grad_y2.dtype, col)(
+        crow.data_ptr(), col.data_ptr(), values.data_ptr(), grad_y2.data_ptr(),
+        grad_y2.shape[0], grad_y2.shape[1], out.shape[1], out.data_ptr(), kernel_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the native input-gradient kernel could not allocate its work buffers")
+
+
 def sddmm(crow: Tensor, col: Tensor, grad_y2: Tensor, x2: Tensor, out: Tensor) -> None:
     """``(grad_y2 [N, M]^T @ x2 [N, K])`` at the kept positions of (crow, col): ``out`` is dense
     ``[M, K]`` (zero elsewhere), or the kept values ``[nnz]`` in CSR order."""
     name = "ls_sddmm" if out.dim() == 2 else "ls_sddmm_values"
-    status = function(name, x2.dtype)(
+    status = function(name, x2.dtype, col)(
         crow.data_ptr(), col.data_ptr(), grad_y2.data_ptr(), x2.data_ptr(),
         x2.shape[0], x2.shape[1], grad_y2.shape[1], out.data_ptr(), kernel_threads(),
     )  # fmt: skip

@@ -7,7 +7,7 @@ pruned positions, so optimizers see exactly what masked dense training gives the
 kept weights cost FLOPs:
 
 - forward        Y = X W^T                     walks the CSR of W
-- input grad     grad_X = grad_Y W             same kernel on the CSR of W^T (`t_*` fields)
+- input grad     grad_X = grad_Y W             scatters into input columns along the CSR of W
 - weight grad    grad_W[i, j] = sum_t grad_Y[t, i] X[t, j] at kept (i, j) only (SDDMM)
 
 Backends: "compiled" (the native kernels, `native.py`; tokens are the vector dimension, threads
@@ -103,33 +103,22 @@ def csr_runner(
     Args:
         path: "compiled" (the native kernels; one token: the GEMV kernel) or "torch".
         crow: int32 `[out + 1]` row pointers.
-        columns: int32 `[nnz]` column indices, or the one-token kernel's own 16-bit ones (int16
-            bit patterns of uint16 columns, ``in <= 65536``, float32/bfloat16 values): a
-            one-token call reads them directly, any other call widens them to int32 for that
-            call only (a transient ``[nnz]`` int32), so a layer need not hold both.
+        columns: `[nnz]` column indices: int32, or 16-bit (int16 bit patterns of uint16
+            columns, ``in <= 65536``), which every compiled kernel reads directly (the "torch"
+            path widens them per call).
         values: `[nnz]` kept values in CSR order (float32/float64, or bfloat16 storage of
             float32 values, widened per multi-token call).
         shape: `(out, in)`.
         bias: optional contiguous `[out]`.
-
-    Raises:
-        ValueError: 16-bit columns with float64 values (the one-token kernel is float32).
     """
     out_features, in_features = shape
-    narrow = columns.dtype == torch.int16
-    if narrow and values.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(
-            f"16-bit column indices need float32 or bfloat16 values, got {values.dtype}; "
-            "hold int32 column indices"
-        )
     if path != "compiled":
         matmul = _BACKENDS[path].matmul
 
         def run_backend(x: Tensor) -> Tensor:
             x2 = x.reshape(-1, in_features).contiguous()
-            cols = _widen(columns) if narrow else columns
             wide = values.float() if values.dtype == torch.bfloat16 else values
-            y2 = matmul(crow, cols, wide, x2, out_features, bias)
+            y2 = matmul(crow, columns, wide, x2, out_features, bias)
             return y2.reshape(*x.shape[:-1], out_features)
 
         # Tensors the runner's kernels read, kept alive by the runner (a function attribute).
@@ -138,13 +127,13 @@ def csr_runner(
     stored = values  # bf16 storage: the one-token kernel widens it, other token counts get fp32
     if values.dtype == torch.bfloat16:
         values = values.float()
-    spmm = native.function("ls_spmm", values.dtype)
+    spmm = native.function("ls_spmm", values.dtype, columns)
     pointers = (crow.data_ptr(), columns.data_ptr(), values.data_ptr())
     bias_pointer = None if bias is None else bias.data_ptr()
     spmv, one_token = None, None
     if values.dtype == torch.float32:
         spmv, one_token = native.one_token_layout(crow, columns, in_features, stored)
-        if narrow or stored.dtype == torch.bfloat16:
+        if stored.dtype == torch.bfloat16:
             values = pointers = None  # type: ignore[assignment]  # built on a prefill call
     keep = [crow, columns, stored, values, bias, one_token]  # keeps the pointers valid
 
@@ -159,10 +148,9 @@ def csr_runner(
                  kernel_threads())  # fmt: skip
         else:
             ptrs = pointers
-            if ptrs is None:  # 16-bit columns or bf16 values: widened per multi-token call
-                cols = _widen(columns) if narrow else columns
-                wide = stored.float() if stored.dtype == torch.bfloat16 else stored
-                ptrs = (crow.data_ptr(), cols.data_ptr(), wide.data_ptr())
+            if ptrs is None:  # bf16 values: widened per multi-token call
+                wide = stored.float()
+                ptrs = (crow.data_ptr(), columns.data_ptr(), wide.data_ptr())
             spmm(*ptrs, x2.data_ptr(), bias_pointer, tokens, in_features, out_features,
                  out.data_ptr(), kernel_threads())  # fmt: skip
         return out.view(*x.shape[:-1], out_features)
@@ -183,21 +171,18 @@ def _csr_backward(
     csr: CSRWeight,
     grad_y2: Tensor,
     x2: Tensor,
-    transposed_values: Callable[[], Tensor],
+    values: Callable[[], Tensor],
     second_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor],
 ) -> tuple[Tensor | None, ...]:
     """The backward of a CSR linear ``Y2 [N, out] = X2 [N, in] S^T + b``: the input gradient
-    through ``S^T``'s CSR (its values from ``transposed_values``), the gradient of the second
-    input (the dense weight's, zero where pruned, or the kept values') from ``second_grad``, and
-    the bias gradient; each only where autograd needs it."""
+    ``grad_Y2 S`` on S's own CSR (its values, CSR order, from ``values``), the gradient of the
+    second input (the dense weight's, zero where pruned, or the kept values') from
+    ``second_grad``, and the bias gradient; each only where autograd needs it."""
     backend = ctx.backend
     grad_y2 = grad_y2.contiguous()
     grad_x = grad_second = grad_b = None
     if ctx.needs_input_grad[0]:
-        t_values = transposed_values()
-        t_crow, t_col = csr.t_crow_indices, csr.t_col_indices
-        assert t_crow is not None and t_col is not None
-        grad_x = backend.matmul(t_crow, t_col, t_values, grad_y2, csr.shape[1], None)
+        grad_x = backend.matmul_t(csr, values(), grad_y2)
     if ctx.needs_input_grad[1]:
         grad_second = second_grad(csr, grad_y2, x2)
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -218,7 +203,7 @@ class _SparseLinearFunction(torch.autograd.Function):
         bias = None if bias is None else bias.detach().contiguous()
         y2 = backend.matmul(csr.crow_indices, csr.col_indices, values, x2, csr.shape[0], bias)
         # The weight itself is saved (no copy of its values): autograd's version check raises if
-        # it is written in place before backward, which gathers W^T's values from it.
+        # it is written in place before backward, which gathers the values from it again.
         ctx.save_for_backward(x2, weight)
         ctx.csr, ctx.backend, ctx.has_bias = csr, backend, bias is not None
         return y2
@@ -227,10 +212,9 @@ class _SparseLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, weight = ctx.saved_tensors
-        # W^T's values gathered from the weight (raises on a forward-only structure).
         csr = ctx.csr
         return _csr_backward(
-            ctx, csr, grad_y2, x2, lambda: csr.gather_values_t(weight), ctx.backend.sampled_grad
+            ctx, csr, grad_y2, x2, lambda: csr.gather_values(weight), ctx.backend.sampled_grad
         )
 
 
@@ -298,8 +282,8 @@ def run_path(path: str, x: Tensor, weight: Tensor, csr: CSRWeight, bias: Tensor 
 
 # --- Compact layers: the weight is its kept values ----------------------------------------------
 class _CSRLinearFunction(torch.autograd.Function):
-    """Y = X W^T + b for W held as its kept values ``[nnz]`` (CSR order of ``csr``, which must
-    carry ``t_perm``); the value gradient is ``[nnz]``: no dense weight or gradient exists."""
+    """Y = X W^T + b for W held as its kept values ``[nnz]`` (CSR order of ``csr``); the value
+    gradient is ``[nnz]``: no dense weight or gradient exists."""
 
     @staticmethod
     def forward(
@@ -321,10 +305,7 @@ class _CSRLinearFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_y2: Tensor) -> tuple[Tensor | None, ...]:
         x2, values = ctx.saved_tensors
         csr = _held_structure(ctx)
-        return _csr_backward(
-            ctx, csr, grad_y2, x2, lambda: csr.transposed_values(values.detach()),
-            ctx.backend.sampled_values,
-        )  # fmt: skip
+        return _csr_backward(ctx, csr, grad_y2, x2, values.detach, ctx.backend.sampled_values)
 
 
 def _held_structure(ctx: Any) -> CSRWeight:
@@ -362,8 +343,8 @@ class _Densify(torch.autograd.Function):
 def run_compact_path(
     path: str, x: Tensor, values: Tensor, csr: CSRWeight, bias: Tensor | None
 ) -> Tensor:
-    """``F.linear(x, W, bias)`` for W given by its kept ``values [nnz]`` under ``csr`` (built
-    with ``permutation=True``) on ``path``; differentiable in ``x``, ``values`` and ``bias``.
+    """``F.linear(x, W, bias)`` for W given by its kept ``values [nnz]`` under ``csr`` on
+    ``path``; differentiable in ``x``, ``values`` and ``bias``.
     "dense" builds W for the call (a transient ``[out, in]``) and gathers its gradient."""
     if path == "dense":
         return F.linear(x, _Densify.apply(values, csr), bias)
@@ -432,6 +413,8 @@ class _Backend(NamedTuple):
     # matmul(crow, col, values, x2 [N, K], rows, bias) -> x2 @ S^T (+ bias) [N, rows] for
     # S [rows, K] in CSR.
     matmul: Callable[[Tensor, Tensor, Tensor, Tensor, int, Tensor | None], Tensor]
+    # matmul_t(csr, values, grad_y2 [N, out]) -> grad_y2 @ S [N, in] for S = (csr, values).
+    matmul_t: Callable[[CSRWeight, Tensor, Tensor], Tensor]
     # sampled_grad(csr, grad_y2 [N, out], x2 [N, in]) -> dense [out, in], zero where pruned.
     sampled_grad: Callable[[CSRWeight, Tensor, Tensor], Tensor]
     # sampled_values(csr, grad_y2, x2) -> the same at kept positions only, [nnz] in CSR order.
@@ -447,13 +430,23 @@ def _torch_csr(crow: Tensor, col: Tensor, values: Tensor, size: tuple[int, int])
 def _torch_matmul(
     crow: Tensor, col: Tensor, values: Tensor, x2: Tensor, rows: int, bias: Tensor | None
 ) -> Tensor:
+    if col.dtype == torch.int16:  # 16-bit columns: PyTorch's CSR wants int32 like crow
+        col = _widen(col)
     sparse = _torch_csr(crow, col, values, (rows, x2.shape[1]))
     out = torch.sparse.mm(sparse, x2.t()).t().contiguous()
     return out if bias is None else out.add_(bias)
 
 
+def _torch_matmul_t(csr: CSRWeight, values: Tensor, grad_y2: Tensor) -> Tensor:
+    sparse = _torch_csr(csr.crow_indices, csr.columns(torch.int32), values, csr.shape)
+    # (S^T grad_Y^T)^T: PyTorch walks S^T as the CSC of S, no transposed copy of the structure.
+    return torch.sparse.mm(sparse.t(), grad_y2.t()).t().contiguous()
+
+
 def _torch_sampled_values(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Tensor:
-    pattern = _torch_csr(csr.crow_indices, csr.col_indices, x2.new_zeros(csr.nnz), csr.shape)
+    pattern = _torch_csr(
+        csr.crow_indices, csr.columns(torch.int32), x2.new_zeros(csr.nnz), csr.shape
+    )
     return torch.sparse.sampled_addmm(pattern, grad_y2.t(), x2, beta=0.0).values()
 
 
@@ -466,6 +459,12 @@ def _compiled_matmul(
 ) -> Tensor:
     out = x2.new_empty(x2.shape[0], rows)
     native.spmm(crow, col, values, x2, bias, out)
+    return out
+
+
+def _compiled_matmul_t(csr: CSRWeight, values: Tensor, grad_y2: Tensor) -> Tensor:
+    out = grad_y2.new_empty(grad_y2.shape[0], csr.shape[1])
+    native.spmm_t(csr.crow_indices, csr.col_indices, values, grad_y2, out)
     return out
 
 
@@ -482,6 +481,8 @@ def _compiled_sampled_values(csr: CSRWeight, grad_y2: Tensor, x2: Tensor) -> Ten
 
 
 _BACKENDS = {
-    "torch": _Backend(_torch_matmul, _torch_sampled_grad, _torch_sampled_values),
-    "compiled": _Backend(_compiled_matmul, _compiled_sampled_grad, _compiled_sampled_values),
+    "torch": _Backend(_torch_matmul, _torch_matmul_t, _torch_sampled_grad, _torch_sampled_values),
+    "compiled": _Backend(
+        _compiled_matmul, _compiled_matmul_t, _compiled_sampled_grad, _compiled_sampled_values
+    ),
 }

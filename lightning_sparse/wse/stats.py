@@ -30,13 +30,11 @@ the dense gradient (RigL, GraNet); forward and input gradient stay sparse on tho
 without a mask executes dense (executed = dense equivalent); an input gradient is counted only
 when autograd computes it (the first layer's input usually needs none).
 
-Weight memory, per masked layer with ``b`` bytes per value and 4-byte (int32) indices:
+Weight memory, per masked layer with ``b`` bytes per value:
 
-- ``csr_forward``: ``nnz * (b + 4) + (out + 1) * 4``: values, column indices and row pointers:
-  all that inference needs.
-- ``csr_both``: ``csr_forward`` plus the transposed structure training walks for the input
-  gradient: ``nnz * 8 + (in + 1) * 4`` (row indices and a permutation into the values, so the
-  values are stored once).
+- ``csr``: ``nnz * (b + c) + (out + 1) * 4``: values, column indices (``c`` = 2 bytes where
+  ``in <= 65536``, else 4) and int32 row pointers: what training and inference both walk (the
+  input gradient scatters along the same rows, no transposed structure).
 - ``dense``: ``out * in * b``.
 """
 
@@ -45,6 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_sparse.core.flop_account import matmul_flops
+from lightning_sparse.wse.csr import U16_COLUMNS
 
 __all__ = ["FLOP_KINDS", "LayerMemory", "WSEStats"]
 
@@ -56,17 +55,15 @@ class LayerMemory:
     """Weight bytes of one masked layer in each storage format (see the module docstring)."""
 
     dense: int
-    csr_forward: int
-    csr_both: int
+    csr: int
 
     @classmethod
     def of(cls, out_features: int, in_features: int, nnz: int, value_bytes: int) -> LayerMemory:
         """Bytes of a ``[out_features, in_features]`` weight with ``nnz`` kept entries."""
-        forward = nnz * (value_bytes + 4) + (out_features + 1) * 4
+        index_bytes = 2 if in_features <= U16_COLUMNS else 4
         return cls(
             dense=out_features * in_features * value_bytes,
-            csr_forward=forward,
-            csr_both=forward + nnz * 8 + (in_features + 1) * 4,
+            csr=nnz * (value_bytes + index_bytes) + (out_features + 1) * 4,
         )
 
 
@@ -171,14 +168,11 @@ class WSEStats:
     def memory_dict(self) -> dict[str, float]:
         """Weight bytes of the masked layers now, per format, and each format's ratio to dense."""
         dense = sum(m.dense for m in self.memory.values())
-        forward = sum(m.csr_forward for m in self.memory.values())
-        both = sum(m.csr_both for m in self.memory.values())
+        csr = sum(m.csr for m in self.memory.values())
         return {
             "weight_bytes_dense": float(dense),
-            "weight_bytes_csr_forward": float(forward),
-            "weight_bytes_csr_both": float(both),
-            "weight_bytes_ratio_forward": forward / dense if dense else 1.0,
-            "weight_bytes_ratio_both": both / dense if dense else 1.0,
+            "weight_bytes_csr": float(csr),
+            "weight_bytes_ratio_csr": csr / dense if dense else 1.0,
         }
 
 

@@ -410,12 +410,12 @@ def test_a_mask_change_after_the_optimizer_is_gone_prunes_the_dense_weight() -> 
     optimizer = torch.optim.SGD([weight], lr=0.1)
     slot = compact_state.find_slot([optimizer], weight)
     assert slot is not None
-    csr = CSRWeight.from_dense(weight.detach(), old_mask, transpose=True, permutation=True)
+    csr = CSRWeight.from_dense(weight.detach(), old_mask)
     layer = compact_state.to_compact(weight, csr, slot)
     del optimizer, slot
     gc.collect()
     assert layer.optimizer() is None
-    new_csr = CSRWeight.from_dense(dense, new_mask, transpose=True, permutation=True)
+    new_csr = CSRWeight.from_dense(dense, new_mask)
     assert compact_state.rebuild(layer, new_csr, None) is None
     assert torch.equal(weight.detach(), dense * new_mask)
     assert bool((weight.detach()[~new_mask] == 0).all()) and bool(old_mask[0].any())

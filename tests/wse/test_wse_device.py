@@ -293,7 +293,7 @@ def test_rebuilds_follow_mask_updates_and_stats_are_logged() -> None:
     dense_grad_steps = [i for i, r in enumerate(rows) if r["wse/flops_dense_weight_grad"] > 0]
     assert dense_grad_steps == [3, 6]
     for r in rows:
-        assert r["wse/weight_bytes_ratio_forward"] < r["wse/weight_bytes_ratio_both"] < 1
+        assert 0 < r["wse/weight_bytes_ratio_csr"] < 1
         assert 0 < r["wse/flops_ratio"] < 1
 
 
@@ -312,8 +312,7 @@ def test_device_line_at_setup_and_statistics_in_the_run_summary(
     stats = trainer.accelerator.stats
     assert device["steps"] == 4 and device["rebuilds"] == stats.total_rebuilds > 0
     assert 0 < device["flops_executed"] < device["flops_dense"]
-    assert 0 < device["weight_bytes_csr_forward"] < device["weight_bytes_csr_both"]
-    assert device["weight_bytes_csr_both"] < device["weight_bytes_dense"]
+    assert 0 < device["weight_bytes_csr"] < device["weight_bytes_dense"]
     out = capsys.readouterr().out
     assert "WSE device (4 steps; Linear-layer matmuls, training and validation):" in out
     assert f"  CSR rebuilds {device['rebuilds']} (" in out
@@ -407,9 +406,9 @@ def test_flops_hand_count_and_masks_appearing_later() -> None:
     assert figures["flops_dense_weight_grad"] == 0 and figures["rebuilds"] == 1
     torch.testing.assert_close(y, F.linear(x, layer.weight * mask))
     assert torch.all(layer.weight.grad[~mask] == 0)
-    memory = executor.stats.memory_dict()  # 7 * (8 + 4) + 5 * 4 values/cols/rows; + 7*8 + 7*4
-    assert (memory["weight_bytes_dense"], memory["weight_bytes_csr_forward"]) == (192, 104)
-    assert memory["weight_bytes_csr_both"] == 104 + 56 + 28
+    memory = executor.stats.memory_dict()  # 7 * (8 + 2) + 5 * 4: values, 16-bit cols, rows
+    assert (memory["weight_bytes_dense"], memory["weight_bytes_csr"]) == (192, 90)
+    assert memory["weight_bytes_ratio_csr"] == 90 / 192
     executor.remove()
     assert type(layer) is nn.Linear and "weight_mask" in dict(layer.named_buffers())
 

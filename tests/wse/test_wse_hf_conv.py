@@ -155,15 +155,14 @@ def test_unmasked_conv1d_on_the_device_is_bit_identical() -> None:
 
 @pytest.mark.parametrize("compiled", [True, False] if compiled_available() else [False])
 def test_gather_from_a_transposed_view_equals_gather_from_a_copy(compiled: bool) -> None:
-    """`CSRWeight` of a ``[in, out]`` weight's ``.t()`` view: values read in place (native
-    gather with the orders swapped) equal those read from a contiguous copy."""
+    """`CSRWeight` of a ``[in, out]`` weight's ``.t()`` view: values read in place (the native
+    gather walks the contiguous weight by columns) equal those read from a contiguous copy."""
     torch.manual_seed(0)
     v = torch.randn(7, 5, dtype=torch.float64)  # a Conv1D weight [in, out]
     mask = torch.rand(7, 5) < 0.4
     csr = CSRWeight.from_dense(v.t(), mask.t(), compiled=compiled)
     w = v.t().contiguous()
     assert torch.equal(csr.gather_values(v.t()), w.reshape(-1)[csr.flat_indices()])
-    assert torch.equal(csr.gather_values_t(v.t()), w.reshape(-1)[csr.flat_indices(True)])
 
 
 def test_gpt2_generation_on_the_device_equals_masked_dense() -> None:

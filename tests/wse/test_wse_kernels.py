@@ -52,15 +52,11 @@ def test_csr_structure_hand_computed(compiled: bool) -> None:
     assert csr.col_indices.tolist() == [0, 2, 0, 1]
     assert csr.gather_values(weight).tolist() == [1.0, 3.0, 7.0, 8.0]
     assert csr.flat_indices().tolist() == [0, 2, 6, 7]
-    # Columns of W: col 0 holds rows 0, 2 (values 1, 7); col 1 row 2 (8); col 2 row 0 (3).
-    assert csr.t_crow_indices.tolist() == [0, 2, 3, 4]
-    assert csr.t_col_indices.tolist() == [0, 2, 2, 0]
-    assert csr.gather_values_t(weight).tolist() == [1.0, 7.0, 8.0, 3.0]
-    assert csr.flat_indices(transposed=True).tolist() == [0, 6, 7, 2]
-    for indices in (csr.crow_indices, csr.col_indices, csr.t_crow_indices, csr.t_col_indices):
-        assert indices.dtype == torch.int32
+    # One orientation only: int32 row pointers and 16-bit columns (3 <= 65536).
+    assert (csr.crow_indices.dtype, csr.col_indices.dtype) == (torch.int32, torch.int16)
+    assert csr.columns().tolist() == [0, 2, 0, 1] and csr.columns().dtype == torch.int64
     assert (csr.nnz, csr.sparsity) == (4, pytest.approx(5 / 9))
-    assert csr.nbytes == 4 * (4 + 4 + 4 + 4)  # indices only: no values, no mask
+    assert csr.nbytes == 4 * 4 + 2 * 4  # indices only: no values, no mask
     assert torch.equal(csr.to_mask(), mask)
 
 
@@ -72,9 +68,6 @@ def test_csr_round_trips_and_keeps_zero_valued_weights() -> None:
     assert csr.nnz == int(mask.sum())
     torch.testing.assert_close(csr.to_dense(csr.gather_values(weight)), weight * mask)
     torch.testing.assert_close(csr.to_torch_csr(weight).to_dense(), weight * mask)
-    torch.testing.assert_close(
-        csr.to_torch_csr(weight, transposed=True).to_dense(), (weight * mask).t()
-    )
 
 
 def test_csr_copies_the_mask_structure_and_gathers_live_values() -> None:
@@ -85,10 +78,8 @@ def test_csr_copies_the_mask_structure_and_gathers_live_values() -> None:
     assert torch.equal(csr.to_mask(), expected_mask)
     values = csr.gather_values(weight)
     torch.testing.assert_close(csr.gather_values(2 * weight), 2 * values)
-    # The native gathers equal plain indexing, in both orders and for a non-contiguous weight.
+    # The native gathers equal plain indexing, also for a non-contiguous weight.
     torch.testing.assert_close(values, weight.reshape(-1)[csr.flat_indices()])
-    t_values = csr.gather_values_t(weight)
-    torch.testing.assert_close(t_values, weight.reshape(-1)[csr.flat_indices(transposed=True)])
     wide = torch.randn(6, 4).t()  # a non-contiguous [4, 6] weight
     torch.testing.assert_close(csr.gather_values(wide), wide.reshape(-1)[csr.flat_indices()])
 
@@ -98,7 +89,8 @@ def test_csr_copies_the_mask_structure_and_gathers_live_values() -> None:
     ("shape", "sparsity"),
     [((3, 3), 0.5), ((1, 1), 0.0), ((5, 0), 0.5), ((0, 4), 0.5), ((37, 9), 1.0),
      ((100, 1000), 0.999), ((3, 700), 0.2), ((260, 130), 0.6),
-     ((600, 500), 0.9)],  # above the size where the build goes parallel
+     ((600, 500), 0.9),  # above the size where the build goes parallel
+     ((3, 65536), 0.999), ((2, 70001), 0.999)],  # the widest 16-bit columns; int32 beyond
 )  # fmt: skip
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_builder_equals_torch_builder(
@@ -112,7 +104,8 @@ def test_native_builder_equals_torch_builder(
     finally:
         torch.set_num_threads(previous)
     reference = CSRWeight.from_dense(weight, mask, compiled=False)
-    for field in ("crow_indices", "col_indices", "t_crow_indices", "t_col_indices"):
+    assert built.narrow == (shape[1] <= 65536)
+    for field in ("crow_indices", "col_indices"):
         expected = getattr(reference, field)
         assert getattr(built, field).dtype == expected.dtype
         assert torch.equal(getattr(built, field), expected), field
@@ -287,7 +280,7 @@ def test_forced_compiled_path_reports_why_unavailable(monkeypatch: pytest.Monkey
 @pytest.mark.skipif(not kernels.compiled_available(), reason="native kernels unavailable")
 def test_compiled_path_runs_native_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    for name in ("spmm", "sddmm"):
+    for name in ("spmm", "spmm_t", "sddmm"):
         original = getattr(native, name)
         monkeypatch.setattr(
             native, name, lambda *a, _f=original, _n=name: (calls.append(_n), _f(*a))[1]
@@ -295,7 +288,7 @@ def test_compiled_path_runs_native_kernels(monkeypatch: pytest.MonkeyPatch) -> N
     x, weight, csr = _small_problem()
     x.requires_grad_(), weight.requires_grad_()
     sparse_linear(x, weight, csr, path="compiled").sum().backward()
-    assert sorted(calls) == ["sddmm", "spmm", "spmm"]
+    assert sorted(calls) == ["sddmm", "spmm", "spmm_t"]
 
 
 def test_auto_measures_once_and_caches_choice() -> None:
@@ -396,23 +389,38 @@ def test_rejects_mismatched_inputs() -> None:
         sparse_linear(x, weight, csr, torch.randn(31))
 
 
-def test_forward_only_structure_holds_half_the_indices_and_refuses_the_transpose() -> None:
-    weight, mask = torch.randn(40, 30), _mask((40, 30), 0.9, seed=11)
-    full = CSRWeight.from_dense(weight, mask)
-    forward = CSRWeight.from_dense(weight, mask, transpose=False)
-    assert full.has_transpose and not forward.has_transpose
-    assert forward.nbytes == 4 * (41 + full.nnz) and full.nbytes == forward.nbytes + 4 * (
-        31 + full.nnz
-    )
-    assert forward.same_structure(full)
-    torch.testing.assert_close(forward.gather_values(weight), full.gather_values(weight))
-    x = torch.randn(3, 30)
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=COMPILED.marks)])
+@pytest.mark.parametrize(("in_features", "narrow"), [(30, True), (65536, True), (65537, False)])
+def test_one_structure_serves_training_with_index_bytes_at_most_the_values(
+    compiled: bool, in_features: int, narrow: bool
+) -> None:
+    """One orientation (no transposed structure) serves inference and training: 16-bit columns
+    up to 65536 inputs (the last column, 65535, included), int32 beyond; the indices then take
+    at most the bytes of the fp32 values at any sparsity where a row keeps two weights."""
+    weight = torch.randn(40, in_features)
+    mask = _mask((40, in_features), 1 - 4 / in_features, seed=11)
+    mask[:, [0, in_features - 1]] = True
+    mask[7] = False  # an empty row
+    csr = CSRWeight.from_dense(weight, mask, compiled=compiled)
+    assert csr.narrow == narrow
+    assert csr.col_indices.dtype == (torch.int16 if narrow else torch.int32)
+    assert int(csr.columns().max()) == in_features - 1
+    assert torch.equal(csr.to_mask(), mask)
+    assert csr.nbytes == 4 * 41 + (2 if narrow else 4) * csr.nnz
+    if narrow:
+        assert csr.nbytes <= 4 * csr.nnz  # the fp32 values' bytes
+    x = torch.randn(3, in_features, dtype=torch.float64)
+    w = weight.double().requires_grad_()
     with torch.no_grad():
-        torch.testing.assert_close(sparse_linear(x, weight, forward), F.linear(x, weight * mask))
-    with pytest.raises(ValueError, match="forward-only"):
-        forward.gather_values_t(weight)
-    with pytest.raises(ValueError, match="forward-only"):
-        sparse_linear(x.requires_grad_(), weight, forward).sum().backward()
+        torch.testing.assert_close(sparse_linear(x, w, csr), F.linear(x, w * mask))
+    x.requires_grad_()
+    y = sparse_linear(x, w, csr)  # the same structure, now with gradients
+    grad_y = torch.randn_like(y)
+    y.backward(grad_y)
+    x_ref, w_ref = x.detach().requires_grad_(), weight.double().requires_grad_()
+    F.linear(x_ref, w_ref * mask).backward(grad_y)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-12, atol=1e-12)
 
 
 # --- One token (the decode kernel) and bf16 storage -------------------------------------------
@@ -443,7 +451,7 @@ def _one_token_case(case: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("case", list(ONE_TOKEN_CASES))
 def test_one_token_runner_matches_masked_dense(path: str, case: str, threads: int) -> None:
     weight, mask, bias, x = _one_token_case(case)
-    csr = CSRWeight.from_dense(weight, mask, transpose=False)
+    csr = CSRWeight.from_dense(weight, mask)
     runner = kernels.inference_runner(path, csr.gather_values(weight), csr, weight, mask, bias)
     reference = F.linear(x.double(), weight.double() * mask, bias.double()).float()
     torch.testing.assert_close(runner(x), reference, atol=1e-4, rtol=1e-4)
@@ -459,7 +467,7 @@ def test_bf16_storage_computes_with_rounded_values_on_every_path(path: str, case
     """bf16 values (opt-in `inference_dtype`): every path and token count computes in fp32 with
     the bf16-rounded kept values, so the result matches that reference, not the fp32 one."""
     weight, mask, bias, x = _one_token_case(case)
-    csr = CSRWeight.from_dense(weight, mask, transpose=False)
+    csr = CSRWeight.from_dense(weight, mask)
     values = csr.gather_values(weight).to(torch.bfloat16)
     runner = kernels.inference_runner(path, values, csr, weight, mask, bias)
     rounded = weight.to(torch.bfloat16).double() * mask
@@ -580,7 +588,7 @@ def test_compiled_results_do_not_depend_on_the_thread_count(tokens: int) -> None
 
     generator = torch.Generator().manual_seed(tokens)
     weight = torch.randn(300, 700, generator=generator)
-    csr = CSRWeight.from_dense(weight, _mask((300, 700), 0.9, seed=5), permutation=True)
+    csr = CSRWeight.from_dense(weight, _mask((300, 700), 0.9, seed=5))
     x, grad_y = torch.randn(tokens, 700, generator=generator), torch.randn(tokens, 300)
     results = []
     previous = torch.get_num_threads()
@@ -666,8 +674,8 @@ def budgets(request: pytest.FixtureRequest):
 def _kernel_operands(
     tokens: int, out_features: int, in_features: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, CSRWeight]:
-    """(weight * mask, mask, x, grad_y, CSR with the transposed structure) with empty rows and
-    columns: rows 0 and 5 and columns 1 and in_features - 1 have no kept weight."""
+    """(weight * mask, mask, x, grad_y, CSR) with empty rows and columns: rows 0 and 5 and
+    columns 1 and in_features - 1 have no kept weight."""
     generator = torch.Generator().manual_seed(seed)
     mask = _mask((out_features, in_features), 0.9, seed=seed)
     mask[[0, 5], :] = False
@@ -675,37 +683,39 @@ def _kernel_operands(
     weight = torch.randn(out_features, in_features, generator=generator, dtype=dtype) * mask
     x = torch.randn(tokens, in_features, generator=generator, dtype=dtype)
     grad_y = torch.randn(tokens, out_features, generator=generator, dtype=dtype)
-    csr = CSRWeight.from_dense(weight, mask, transpose=True, permutation=True)
+    csr = CSRWeight.from_dense(weight, mask)
     return weight, mask, x, grad_y, csr
 
 
 @pytest.mark.parametrize("tokens", [1, 17, 129, 300])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("index", ["u16", "i32"])
 def test_native_kernels_equal_masked_dense_on_every_tiling_path(
-    tokens: int, dtype: torch.dtype, budgets: str, threads: int
+    tokens: int, dtype: torch.dtype, index: str, budgets: str, threads: int
 ) -> None:
-    """The forward SpMM (W's CSR), the input-gradient SpMM (W^T's CSR) and the SDDMM (dense and
-    compact outputs) against masked dense products in float64; float32 within a tolerance that
-    grows with the square root of a row's kept count (the rounding of a sum of that many terms)."""
+    """The forward SpMM (gathers along W's CSR), the input-gradient kernel (scatters along the
+    same CSR) and the SDDMM (dense and compact outputs), with 16-bit and int32 column indices,
+    against masked dense products in float64; float32 within a tolerance that grows with the
+    square root of a row's kept count (the rounding of a sum of that many terms)."""
     # 405 rows: a partial last block of 16 rows; enough work at 17 tokens for two threads to
     # split the rows of each tile.
     out_features, in_features = 405, 1100
     weight, mask, x, grad_y, csr = _kernel_operands(tokens, out_features, in_features, dtype, 7)
-    assert csr.t_crow_indices is not None and csr.t_col_indices is not None
-    assert csr.t_perm is not None
+    crow = csr.crow_indices
+    col = csr.col_indices if index == "u16" else csr.columns(torch.int32)
+    assert col.dtype == (torch.int16 if index == "u16" else torch.int32)
     values = csr.gather_values(weight)
-    values_t = values[csr.t_perm.long()].contiguous()
     bias = torch.randn(out_features, dtype=dtype)
     w64, x64, g64 = weight.double(), x.double(), grad_y.double()
 
     y = torch.empty(tokens, out_features, dtype=dtype)
-    native.spmm(csr.crow_indices, csr.col_indices, values, x, bias, y)
-    grad_x = torch.empty(tokens, in_features, dtype=dtype)
-    native.spmm(csr.t_crow_indices, csr.t_col_indices, values_t, grad_y, None, grad_x)
+    native.spmm(crow, col, values, x, bias, y)
+    grad_x = torch.full((tokens, in_features), float("nan"), dtype=dtype)
+    native.spmm_t(crow, col, values, grad_y, grad_x)
     grad_w = torch.full((out_features, in_features), float("nan"), dtype=dtype)
-    native.sddmm(csr.crow_indices, csr.col_indices, grad_y, x, grad_w)
+    native.sddmm(crow, col, grad_y, x, grad_w)
     grad_values = torch.full((csr.nnz,), float("nan"), dtype=dtype)
-    native.sddmm(csr.crow_indices, csr.col_indices, grad_y, x, grad_values)
+    native.sddmm(crow, col, grad_y, x, grad_values)
 
     kept = int(mask.sum(1).max())
     if dtype == torch.float64:
@@ -714,6 +724,7 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
         tolerance = {"rtol": 1e-5, "atol": 8 * 2**-24 * max(kept, tokens) ** 0.5 * 4}
     torch.testing.assert_close(y.double(), x64 @ w64.t() + bias.double(), **tolerance)
     torch.testing.assert_close(grad_x.double(), g64 @ w64, **tolerance)
+    assert not grad_x[:, [1, in_features - 1]].any(), "columns with no kept weight get exact 0"
     reference = (g64.t() @ x64) * mask
     torch.testing.assert_close(grad_w.double(), reference, **tolerance)
     assert not grad_w[~mask].any(), "the SDDMM must write exact zeros where pruned"
@@ -751,23 +762,19 @@ def test_native_kernels_without_avx512_equal_masked_dense(march: str, tmp_path: 
     for dtype, suffix in ((torch.float64, "f64"), (torch.float32, "f32")):
         for tokens, threads in ((17, 2), (129, 1), (300, 2)):
             weight, mask, x, grad_y, csr = _kernel_operands(tokens, 405, 1100, dtype, tokens)
-            assert csr.t_crow_indices is not None and csr.t_col_indices is not None
-            assert csr.t_perm is not None
             values = csr.gather_values(weight)
-            values_t = values[csr.t_perm.long()].contiguous()
             y = torch.empty(tokens, 405, dtype=dtype)
             grad_x = torch.empty(tokens, 1100, dtype=dtype)
             grad_values = torch.empty(csr.nnz, dtype=dtype)
-            spmm, sddmm = (
-                getattr(lib, f"ls_spmm_{suffix}"),
-                getattr(lib, f"ls_sddmm_values_{suffix}"),
+            spmm, spmm_t, sddmm = (
+                getattr(lib, f"ls_{name}_{suffix}_u16")
+                for name in ("spmm", "spmm_t", "sddmm_values")
             )
             crow, col = csr.crow_indices.data_ptr(), csr.col_indices.data_ptr()
-            t_crow, t_col = csr.t_crow_indices.data_ptr(), csr.t_col_indices.data_ptr()
             spmm(crow, col, values.data_ptr(), x.data_ptr(), None, tokens, 1100, 405,
                  y.data_ptr(), threads)  # fmt: skip
-            spmm(t_crow, t_col, values_t.data_ptr(), grad_y.data_ptr(), None, tokens, 405, 1100,
-                 grad_x.data_ptr(), threads)  # fmt: skip
+            assert spmm_t(crow, col, values.data_ptr(), grad_y.data_ptr(), tokens, 405, 1100,
+                          grad_x.data_ptr(), threads) == 0  # fmt: skip
             assert sddmm(crow, col, grad_y.data_ptr(), x.data_ptr(), tokens, 1100, 405,
                          grad_values.data_ptr(), threads) == 0  # fmt: skip
             w64, x64, g64 = weight.double(), x.double(), grad_y.double()

@@ -335,7 +335,7 @@ def test_grow_candidates_are_the_top_outside_the_mask_ties_to_the_lower_index(
     grad.view(-1)[1] = float("nan")
     grad.view(-1)[2] = float("inf")
     count = min(count, int((~mask).sum()))
-    csr = CSRWeight.from_dense(grad, mask, permutation=True)
+    csr = CSRWeight.from_dense(grad, mask)
     index, values = grow_candidates(grad, csr, count)
     assert index.dtype == torch.int32 and index.shape == values.shape == (count,)
     score = torch.where(mask, -1.0, torch.nan_to_num(grad, nan=0.0, posinf=0.0).abs()).view(-1)

@@ -56,7 +56,7 @@ def test_bitmask_and_dense_builds_equal_the_dense_layer(
         reference.bias.copy_(bias.double())
     for layer in layers:
         assert (layer.out_features, layer.in_features, layer.nnz) == (*shape, int(kept.sum()))
-        expected_columns = torch.int16 if COMPILED and shape[1] <= 65536 else torch.int32
+        expected_columns = torch.int16 if shape[1] <= 65536 else torch.int32
         assert layer.col_indices.dtype == expected_columns
         for tokens in (1, 3):
             x = torch.randn(2, tokens, shape[1], generator=torch.Generator().manual_seed(tokens))
@@ -82,8 +82,7 @@ def test_it_equals_the_executor_bit_for_bit_and_holds_no_int32_column_copy() -> 
         with torch.no_grad():
             assert torch.equal(layer(x), expected)
     nnz = layer.nnz
-    column_bytes = 2 if COMPILED else 4
-    assert layer.nbytes == nnz * (4 + column_bytes) + 4 * (80 + 1) + 4 * 80
+    assert layer.nbytes == nnz * (4 + 2) + 4 * (80 + 1) + 4 * 80
     # What the runner keeps alive is the layer's own buffers: no widened or int32 copy.
     held = {t.data_ptr() for t in layer.buffers()}
     kept = [t for t in _tensors(layer._runner.keep) if t.numel() == nnz]
@@ -96,6 +95,30 @@ def _tensors(obj: object) -> list[torch.Tensor]:
     if isinstance(obj, (list, tuple)):
         return [t for item in obj for t in _tensors(item)]
     return []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=pytest.mark.skipif(not COMPILED,
+    reason="native kernels unavailable")), False], ids=["compiled", "torch"])  # fmt: skip
+def test_16_bit_columns_serve_every_dtype_and_path(
+    dtype: torch.dtype, compiled: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16-bit columns are held for float64 values too and without the native library: every
+    compiled kernel reads them, the "torch" path widens them per call."""
+    if not compiled:
+        monkeypatch.setattr(native, "library", lambda: (None, "disabled in this test"))
+    weight = sparse_weight((33, 130), 0.2).to(dtype)
+    bias = torch.randn(33, dtype=dtype)
+    layer = CSRLinear.from_dense(weight, bias)
+    assert layer.col_indices.dtype == torch.int16 and layer.values.dtype == dtype
+    for tokens in (1, 4):
+        x = torch.randn(tokens, 130, dtype=dtype)
+        with torch.no_grad():
+            y = layer(x)
+        assert y.dtype == dtype
+        expected = F.linear(x.double(), weight.double(), bias.double())
+        tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(y.double(), expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.skipif(not COMPILED, reason="bf16 storage runs on the compiled kernels")

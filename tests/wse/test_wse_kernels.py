@@ -687,7 +687,7 @@ def _kernel_operands(
     return weight, mask, x, grad_y, csr
 
 
-@pytest.mark.parametrize("tokens", [1, 17, 129, 300])
+@pytest.mark.parametrize("tokens", [0, 1, 17, 129, 300])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("index", ["u16", "i32"])
 def test_native_kernels_equal_masked_dense_on_every_tiling_path(

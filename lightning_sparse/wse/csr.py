@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_sparse.wse.policy import U16_COLUMNS
+
 _INT32_MAX = 2**31 - 1
-U16_COLUMNS = 1 << 16
-"""Widest weight whose column indices a CPU structure holds in 16 bits."""
 
 
 @dataclass(frozen=True, eq=False)

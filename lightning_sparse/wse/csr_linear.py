@@ -277,7 +277,7 @@ def _held_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
 def _narrow_columns(in_features: int) -> bool:
     """Whether 16-bit column indices are the ones held (any values dtype: every compiled kernel
     reads them, the "torch" path widens them per call)."""
-    return in_features <= native.U16_COLUMNS
+    return in_features <= policy.U16_COLUMNS
 
 
 def unpack_bitmask(bitmask: Tensor, shape: tuple[int, int]) -> Tensor:

@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_sparse.wse.csr import U16_COLUMNS
-from lightning_sparse.wse.policy import TUNED
+from lightning_sparse.wse.policy import TUNED, U16_COLUMNS
 from lightning_sparse.wse.threads import kernel_threads
 
 __all__ = [

@@ -21,6 +21,7 @@ import torch
 __all__ = [
     "PATHS",
     "TUNED",
+    "U16_COLUMNS",
     "Tuned",
     "autotune_key",
     "choose_path",
@@ -34,6 +35,8 @@ __all__ = [
 ]
 
 PATHS = ("compiled", "torch", "dense")
+U16_COLUMNS = 1 << 16
+"""Widest weight whose column indices the device holds in 16 bits (`csr.CSRWeight`)."""
 
 
 @dataclass(frozen=True)

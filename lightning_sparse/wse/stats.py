@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_sparse.core.flop_account import matmul_flops
-from lightning_sparse.wse.csr import U16_COLUMNS
+from lightning_sparse.wse.policy import U16_COLUMNS
 
 __all__ = ["FLOP_KINDS", "LayerMemory", "WSEStats"]
 

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from .. import held, validate
-from ..mask_batches import by_key, drop_count
+from ..mask_batches import by_key, drop_count, row_counts
 from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random
 from ..schedules import ScheduleSpec, bind
 from ..shapers import Shaper, Unstructured
@@ -143,7 +143,7 @@ def _row_count_ranges(stacks: list[torch.Tensor]) -> list[tuple[list[int], list[
     its ``G`` masks, read to the host together (one sync)."""
     if not stacks:
         return []
-    counts = [torch.stack(m.sum(-1).flatten(1).aminmax(dim=1)) for m in stacks]
+    counts = [torch.stack(row_counts(m).flatten(1).aminmax(dim=1)) for m in stacks]
     lows, highs = torch.cat(counts, dim=1).tolist()
     out, start = [], 0
     for m in stacks:

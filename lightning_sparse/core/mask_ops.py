@@ -99,6 +99,13 @@ def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
     return _keep_threshold(score, threshold, k)
 
 
+def row_counts(masks: Tensor, keepdim: bool = False) -> Tensor:
+    """True entries per row of bool ``masks [..., n]``, int32 ``[...]`` (``n < 2**31``): summed
+    as bytes into int32, without the int64 copy of every entry a sum of bools makes (about half
+    the time on the CPU)."""
+    return masks.view(torch.uint8).sum(-1, keepdim=keepdim, dtype=torch.int32)
+
+
 def _keep_threshold(
     score: Tensor, threshold: Tensor | float, k: int | Tensor, valid: Tensor | None = None
 ) -> Tensor:
@@ -109,7 +116,7 @@ def _keep_threshold(
     if valid is not None:
         above &= valid
         ties &= valid
-    needed = k - above.sum(-1, keepdim=True)
+    needed = k - row_counts(above, keepdim=True)
     return above | (ties & (ties.cumsum(-1, dtype=torch.int32) <= needed))
 
 

@@ -16,8 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from .. import held, validate
-from ..mask_batches import by_key, drop_count, row_counts
-from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random
+from ..mask_batches import by_key, drop_count
+from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random, row_counts
 from ..schedules import ScheduleSpec, bind
 from ..shapers import Shaper, Unstructured
 from ..sharding import is_sharded
@@ -189,7 +189,7 @@ def shaped_drop_and_grow(
     w2d, m2d = shaper.shape(p.abs()), shaper.shape(mask)
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
     keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
-    counts = m2d.sum(-1)
+    counts = row_counts(m2d)
     if count_range is None:
         count_range = (int(counts.amin()), int(counts.amax()))
     low, high = count_range

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from lightning_sparse.wse.policy import U16_COLUMNS
+from lightning_sparse.wse.policy import narrow_columns
 
 _INT32_MAX = 2**31 - 1
 
@@ -220,7 +220,7 @@ def _indices(mask: Tensor, compiled: bool | None) -> tuple[Tensor, Tensor]:
     # nonzero() yields kept positions in row-major order, i.e. already in CSR order.
     flat = mask.reshape(-1).nonzero().squeeze(1)
     rows = torch.div(flat, max(in_features, 1), rounding_mode="floor")
-    narrow = mask.device.type == "cpu" and in_features <= U16_COLUMNS
+    narrow = mask.device.type == "cpu" and narrow_columns(in_features)
     # int16 keeps the low 16 bits: the column as uint16.
     cols = (flat - rows * in_features).to(torch.int16 if narrow else torch.int32)
     return _row_pointers(rows, out_features), cols

@@ -182,7 +182,7 @@ class CSRLinear(nn.Module):
         if max(rows * cols, rows + 1, cols + 1) > _INT32_MAX:
             raise ValueError(f"a {rows}x{cols} weight is too large for int32 CSR indices")
         out_features, in_features = (cols, rows) if transposed else (rows, cols)
-        narrow = not transposed and _narrow_columns(in_features)
+        narrow = not transposed and policy.narrow_columns(in_features)
         crow, columns = _structure(blocks, rows, cols, nnz, narrow)
         if row_offsets is not None and not torch.equal(
             row_offsets.reshape(-1).long(), crow[:-1].long()
@@ -192,7 +192,7 @@ class CSRLinear(nn.Module):
             )
         if transposed:
             crow, columns, values = _transpose(crow, columns, values, cols)
-            if _narrow_columns(in_features):
+            if policy.narrow_columns(in_features):
                 columns = columns.to(torch.int16)
         if bias is not None:
             wide = torch.float64 if dtype == torch.float64 else torch.float32
@@ -272,12 +272,6 @@ def _held_dtype(dtype: torch.dtype, wanted: torch.dtype | None) -> torch.dtype:
     if dtype not in _VALUE_DTYPES:
         raise ValueError(f"values are held as float32, bfloat16 or float64, not {dtype}")
     return dtype
-
-
-def _narrow_columns(in_features: int) -> bool:
-    """Whether 16-bit column indices are the ones held (any values dtype: every compiled kernel
-    reads them, the "torch" path widens them per call)."""
-    return in_features <= policy.U16_COLUMNS
 
 
 def unpack_bitmask(bitmask: Tensor, shape: tuple[int, int]) -> Tensor:

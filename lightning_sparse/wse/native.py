@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_sparse.wse.policy import TUNED, U16_COLUMNS
+from lightning_sparse.wse.policy import TUNED, narrow_columns
 from lightning_sparse.wse.threads import kernel_threads
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "library",
     "one_token_layout",
     "scatter",
-    "narrow_columns",
     "sddmm",
     "set_tile_budgets",
     "spmm",
@@ -176,11 +175,6 @@ def function(name: str, dtype: torch.dtype, columns: Tensor) -> Callable[..., in
     return getattr(_loaded(), f"{name}_{values_kind}_{index_kind}")
 
 
-def narrow_columns(in_features: int) -> bool:
-    """Whether a weight with ``in_features`` columns keeps its column indices in 16 bits."""
-    return in_features <= U16_COLUMNS
-
-
 def csr_indices(mask: Tensor) -> tuple[Tensor, Tensor]:
     """CSR structure of a CPU bool mask `[M, K]` by the native builder.
 
@@ -269,7 +263,7 @@ def one_token_layout(
     (unsigned, held as int16 bit patterns) when ``in_features <= 65536``, else the int32 ones;
     values fp32 or bf16 as given. Returns (kernel, ((crow, col, values) pointers, tensors to
     keep alive))."""
-    if in_features <= U16_COLUMNS:
+    if narrow_columns(in_features):
         col = col.to(torch.int16)  # the low 16 bits: the column as uint16
         index_kind = "u16"
     else:

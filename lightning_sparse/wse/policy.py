@@ -30,6 +30,7 @@ __all__ = [
     "decode_stream_copies",
     "kernel_threads",
     "margin",
+    "narrow_columns",
     "token_bucket_of",
     "unsupported_reason",
 ]
@@ -37,6 +38,12 @@ __all__ = [
 PATHS = ("compiled", "torch", "dense")
 U16_COLUMNS = 1 << 16
 """Widest weight whose column indices the device holds in 16 bits (`csr.CSRWeight`)."""
+
+
+def narrow_columns(in_features: int) -> bool:
+    """Whether a weight with ``in_features`` columns holds 16-bit column indices (the rule of
+    `csr.CSRWeight`, `csr_linear.CSRLinear` and the memory statistics)."""
+    return in_features <= U16_COLUMNS
 
 
 @dataclass(frozen=True)

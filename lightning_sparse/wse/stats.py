@@ -43,7 +43,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from lightning_sparse.core.flop_account import matmul_flops
-from lightning_sparse.wse.policy import U16_COLUMNS
+from lightning_sparse.wse.policy import narrow_columns
 
 __all__ = ["FLOP_KINDS", "LayerMemory", "WSEStats"]
 
@@ -60,7 +60,7 @@ class LayerMemory:
     @classmethod
     def of(cls, out_features: int, in_features: int, nnz: int, value_bytes: int) -> LayerMemory:
         """Bytes of a ``[out_features, in_features]`` weight with ``nnz`` kept entries."""
-        index_bytes = 2 if in_features <= U16_COLUMNS else 4
+        index_bytes = 2 if narrow_columns(in_features) else 4
         return cls(
             dense=out_features * in_features * value_bytes,
             csr=nnz * (value_bytes + index_bytes) + (out_features + 1) * 4,

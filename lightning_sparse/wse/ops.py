@@ -439,7 +439,8 @@ def _torch_matmul(
 
 def _torch_matmul_t(csr: CSRWeight, values: Tensor, grad_y2: Tensor) -> Tensor:
     sparse = _torch_csr(csr.crow_indices, csr.columns(torch.int32), values, csr.shape)
-    # (S^T grad_Y^T)^T: PyTorch walks S^T as the CSC of S, no transposed copy of the structure.
+    # (S^T grad_Y^T)^T, S^T being a CSC view of the same arrays (what PyTorch does with it
+    # inside is its own affair: the "torch" path is the fallback, not the fast one).
     return torch.sparse.mm(sparse.t(), grad_y2.t()).t().contiguous()
 
 

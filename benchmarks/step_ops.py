@@ -21,10 +21,10 @@ a `TorchDispatchMode` over a plain loop, and `bench_step_ops.py` and
 
 What the CPU cannot show: ``.to(device)`` is a no-op on the CPU, so such copies are not seen
 (the package makes none on the step path). While counting (`as_on_a_gpu`), the CPU takes the
-GPU's paths: no sampled top-k of long CPU rows (`mask_ops.HOST_SELECT_MIN`), the masks kept as
-integer multipliers for fused foreach ops (`masking.FUSED_FOREACH_DEVICES`); and fused AdamW
-(what `bench_gpu_step.py` runs) leaves out the held denominators of non-fused Adam on the CPU
-(`per_step.hold_denominators`).
+GPU's paths: no sampled top-k of long CPU rows (`mask_ops.HOST_SELECT_MIN`), pruning as one
+compiled kernel (`masking.FUSED_FOREACH_DEVICES`, `fused_mask`: counted as one launch); and
+fused AdamW (what `bench_gpu_step.py` runs) leaves out the held denominators of non-fused Adam
+on the CPU (`per_step.hold_denominators`).
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ class HostReads(TorchFunctionMode):
 @contextmanager
 def as_on_a_gpu() -> Iterator[None]:
     """Meanwhile, the CPU takes the paths a GPU takes: no sampled top-k of long rows
-    (`mask_ops.HOST_SELECT_MIN`), masks kept as multipliers for fused foreach ops
+    (`mask_ops.HOST_SELECT_MIN`), pruning as one compiled kernel
     (`masking.FUSED_FOREACH_DEVICES`)."""
     before, had = mask_ops.HOST_SELECT_MIN, "cpu" in masking.FUSED_FOREACH_DEVICES
     mask_ops.HOST_SELECT_MIN = sys.maxsize

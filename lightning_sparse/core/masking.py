@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from .bitpack import pack_bits, unpack_bits
+from .fused_mask import mul_by_masks_
 from .sharding import full
 
 __all__ = [
     "FUSED_FOREACH_DEVICES",
-    "Multipliers",
     "PrunedValues",
     "all_finite",
     "finite",
@@ -77,15 +77,19 @@ def zero_pruned_(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def zero_pruned_foreach_(tensors: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:
-    """``zero_pruned_`` over lists, one fused ``_foreach_mul_`` where the bit views allow."""
+    """``zero_pruned_`` over lists: one pass where every tensor has a bit view (on a GPU one
+    fused kernel, `fused_mask`), else ``zero_pruned_`` per tensor. ``masks``: bool, each of
+    its tensor's shape and device."""
     if not tensors:
         return
     views = [v for t in tensors if (v := _bits(t)) is not None]
-    if len(views) == len(tensors):
+    if len(views) != len(tensors):  # a subclass or another dtype among them
+        for t, mask in zip(tensors, masks, strict=True):
+            zero_pruned_(t, mask)
+    elif masks[0].device.type in FUSED_FOREACH_DEVICES:
+        mul_by_masks_(views, list(masks))
+    else:
         torch._foreach_mul_(views, list(masks))
-        return
-    for t, mask in zip(tensors, masks, strict=True):
-        zero_pruned_(t, mask)
 
 
 @torch.no_grad()
@@ -109,40 +113,11 @@ def fill_pruned_foreach_(
         torch._foreach_add_(views, [~mask for mask in group_masks], alpha=k)
 
 
-# Devices where one `_foreach_mul_` over the bit views takes the fused path, which needs every
-# tensor in one dtype: there the masks are multiplied as kept 0/1 copies in the views' integer
-# dtype (`Multipliers`). On the CPU a foreach op is a loop over the tensors either way, so the
-# bool masks serve and cost no memory (`benchmarks/step_ops.py` counts as on a GPU).
+# Devices where a foreach op over tensors of several dtypes (an integer view and a bool mask)
+# loops over the tensors, a kernel launch each: there the product is one compiled kernel
+# (`fused_mask`). On the CPU a foreach op is a loop over the tensors either way, and the bool
+# masks serve as they are (`benchmarks/step_ops.py` counts launches as on a GPU).
 FUSED_FOREACH_DEVICES = {"cuda", "xpu", "hpu", "mps"}
-
-
-class Multipliers:
-    """The masks as 0/1 integer tensors of the bit views' dtype, made once per mask and dtype
-    and made again when the mask is replaced or written (its version counter).
-
-    A weight's bit view and a bool mask differ in dtype, and CUDA's ``_foreach_mul_`` then
-    loops over the tensors: a launch per tensor. With these it is one launch per chunk, for the
-    cost of an integer copy of each mask (the element size of the weight) on the device.
-    """
-
-    def __init__(self) -> None:
-        self._kept: dict[tuple[str, torch.dtype], tuple[int, int, torch.Tensor]] = {}
-
-    def of(self, name: str, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """What to multiply ``t``'s bit view by: ``mask`` itself, or its kept integer copy."""
-        bits = _BITS.get(t.dtype)
-        if bits is None or mask.device.type not in FUSED_FOREACH_DEVICES or _bits(t) is None:
-            return mask
-        key, now = (name, bits), (id(mask), mask._version)
-        kept = self._kept.get(key)
-        if kept is None or kept[:2] != now:
-            kept = (*now, mask.to(bits))
-            self._kept[key] = kept
-        return kept[2]
-
-    def forget(self, name: str | None = None) -> None:
-        """Drop the copies of ``name`` (all when None), e.g. a mask replaced by a move."""
-        self._kept = {k: v for k, v in self._kept.items() if name is not None and k[0] != name}
 
 
 @dataclass

@@ -24,12 +24,12 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.
 4. **masks or tensors change** (`changed`; `rebind`: a parameter or mask replaced by
    ``load_state_dict(assign=True)``, ``setattr``, ``to_empty`` or ``.to()``): `version` moves, so
-   the next `sync` prunes gradients and state with the masks as they are then. Nothing reads a
-   tensor kept across a move: a gradient hook whose mask was replaced leaves the gradient to
-   `sync`, and the tensors from before are let go at the next `rebind` (the next step, or
-   ``apply(optimizer)``, which Lightning runs after it moved the model). A mask that came to
-   another device is taken as it is; ``to_empty`` gets a mask's values back on the same device,
-   or from the weights when the mask was on the meta device.
+   the next `sync` prunes gradients and state with the masks as they are then. What the hooks
+   were installed on is held by weak reference (`_Seen`), so a move frees the tensors from
+   before at once, even with no step after it; a gradient hook whose mask was replaced leaves
+   the gradient to `sync`. A mask that came to another device is taken as it is; one built on
+   the meta device is built again from the weights; one ``to_empty`` replaced on its own device
+   holds unknown values, and `rebind` refuses until the algorithm's state is loaded.
 5. **a model state dict loads** (`before_model_load`, `after_model_load`): the weights are pruned
    at once; an earlier version's ``*_mask`` entries become the masks; the values pruning zeroed are
    kept (``unpruned``) until the next step, for a sparsity state loaded next.
@@ -41,7 +41,8 @@ and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorit
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -50,7 +51,6 @@ from torch.utils.hooks import RemovableHandle
 
 from . import held
 from .masking import (
-    Multipliers,
     PrunedValues,
     fill_pruned_foreach_,
     finite,
@@ -88,11 +88,10 @@ class StepHooks:
         self.dense_grad = dense_grad
         self.initial_mask = initial_mask
         self.version = 0  # moves whenever masks, parameters or loaded state change
-        self._seen: dict[str, tuple[nn.Parameter, torch.Tensor]] = {}  # what each hook is on
+        self._seen: dict[str, _Seen] = {}  # what each hook is on, held weakly
         self._grad_hooks: dict[str, RemovableHandle] = {}
         self._masked: dict[str, tuple[weakref.ref, int]] = {}  # gradients masked: (grad, version)
         self._arrived: dict[str, None] = {}  # gradients of this backward, to mask in one pass
-        self._multipliers = Multipliers()  # the masks in the bit views' dtype (fused foreach)
         # optimizer id -> (version, number of parameters with state) when its state was pruned
         self._synced: dict[int, tuple[int, int]] = {}
         self._opted_out: set[int] = set()  # optimizers with same-shape state `requires_dense`
@@ -100,6 +99,8 @@ class StepHooks:
         self._optimizers: dict[int, tuple[weakref.ref, list[RemovableHandle]]] = {}
         self._load_hooks: list[RemovableHandle] = []
         self.incoming: dict[str, torch.Tensor] = {}  # masks an old-layout state dict brought
+        # Told the parameter's name when the module lets a mask go (`_mask_dropped`).
+        self.on_mask_dropped: list[Callable[[str], None]] = []
         self.unpruned: dict[str, PrunedValues] = {}  # values the last model load zeroed
 
     # ------------------------------------------------------------------ installation
@@ -122,13 +123,12 @@ class StepHooks:
         if param.requires_grad:
             hook = _Hook(self._grad_hook(sp.name))
             self._grad_hooks[sp.name] = param.register_post_accumulate_grad_hook(hook)
-        self._seen[sp.name] = (param, sp.mask)
-        self._multipliers.forget(sp.name)
+        self._seen[sp.name] = _Seen.of(param, sp.mask, self._mask_dropped(sp.name))
 
     def guards(self, name: str, param: torch.Tensor) -> bool:
         """Whether ``name``'s gradient hook is on this very ``param`` (its gradient is then
         masked in every backward)."""
-        return name in self._grad_hooks and self._seen[name][0] is param
+        return name in self._grad_hooks and self._seen[name].param() is param
 
     def attach_optimizer(
         self, optimizer: torch.optim.Optimizer, pre: StepHook, post: StepHook
@@ -181,14 +181,15 @@ class StepHooks:
             handle.remove()
         self._grad_hooks, self._load_hooks, self._seen, self._masked = {}, [], {}, {}
         self._arrived = {}
-        self._multipliers.forget()
         self.incoming, self.unpruned = {}, {}
 
     # ------------------------------------------------------------------ 1. backward
     def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def mask_grad(param: torch.Tensor) -> None:
-            grad, sp, mask = param.grad, self.sparse_params.get(name), self._seen[name][1]
-            if grad is None or sp is None or sp.module._buffers.get(sp.mask_name) is not mask:
+            grad, sp, mask = param.grad, self.sparse_params.get(name), self._seen[name].mask()
+            if grad is None or sp is None or mask is None:
+                return
+            if sp.module._buffers.get(sp.mask_name) is not mask:
                 return  # replaced since (``.to()``, ``to_empty``): `sync` masks it, followed
             if self.dense_grad():  # the update reads it: dense, but never NaN/inf where pruned
                 zero_pruned_(grad, mask | finite(grad))
@@ -208,15 +209,9 @@ class StepHooks:
         names, self._arrived = self._arrived, {}
         sps = [self.sparse_params[n] for n in names if n in self.sparse_params]
         grads = [(sp, grad) for sp in sps if (grad := sp.param.grad) is not None]
-        zero_pruned_foreach_([grad for _, grad in grads], self._masks_for(grads))
+        zero_pruned_foreach_([grad for _, grad in grads], [sp.mask for sp, _ in grads])
         for sp, grad in grads:
             self._masked[sp.name] = (weakref.ref(grad), grad._version)
-
-    def _masks_for(
-        self, pairs: Sequence[tuple[SparseParameter, torch.Tensor]]
-    ) -> list[torch.Tensor]:
-        """What to multiply each tensor's bit view by (`masking.Multipliers`)."""
-        return [self._multipliers.of(sp.name, t, sp.mask) for sp, t in pairs]
 
     # ------------------------------------------------------------------ 2. before the step
     def start_step(self) -> None:
@@ -245,7 +240,7 @@ class StepHooks:
             if (grad := sp.param.grad) is not None and (changed or not self._hook_masked(sp, grad))
         ]
         pairs = [(sp, sp.param) for sp in sps] + grads
-        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
+        zero_pruned_foreach_([t for _, t in pairs], [sp.mask for sp, _ in pairs])
         for sp, grad in grads:
             self._masked[sp.name] = (weakref.ref(grad), grad._version)
         if changed:
@@ -255,10 +250,8 @@ class StepHooks:
     def prune(self, sps: list[SparseParameter]) -> None:
         """Prune the weights of ``sps`` now (masks changed): one pass, and each weight held
         elsewhere (`held`) has its holder follow its mask."""
-        for sp in sps:
-            self._multipliers.forget(sp.name)  # the masks were just written
-        plain = [(sp, sp.param) for sp in sps if held.holder_of(sp.param) is None]
-        zero_pruned_foreach_([t for _, t in plain], self._masks_for(plain))
+        plain = [sp for sp in sps if held.holder_of(sp.param) is None]
+        zero_pruned_foreach_([sp.param for sp in plain], [sp.mask for sp in plain])
         for sp in sps:
             if held.holder_of(sp.param) is not None:
                 sp.prune_()
@@ -269,10 +262,7 @@ class StepHooks:
 
     def _prune_state(self, optimizer: torch.optim.Optimizer, sps: list[SparseParameter]) -> None:
         tensors, masks, opted_out = same_shape_state(optimizer, sps)
-        of = {id(sp.mask): sp for sp in sps}
-        zero_pruned_foreach_(
-            tensors, self._masks_for([(of[id(m)], t) for t, m in zip(tensors, masks, strict=True)])
-        )
+        zero_pruned_foreach_(tensors, masks)
         if opted_out:  # such state moves pruned weights: `after_step` prunes them again
             self._opted_out.add(id(optimizer))
         else:
@@ -301,8 +291,7 @@ class StepHooks:
         if state_keeps_zero(optimizer) and id(optimizer) not in self._opted_out:
             return
         sps = self.params_of(optimizer)
-        pairs = [(sp, sp.param) for sp in sps]
-        zero_pruned_foreach_([t for _, t in pairs], self._masks_for(pairs))
+        zero_pruned_foreach_([sp.param for sp in sps], [sp.mask for sp in sps])
         self._prune_state(optimizer, sps)
 
     # ------------------------------------------------------------------ 4. masks, tensors change
@@ -313,35 +302,64 @@ class StepHooks:
     def rebind(self, prune: bool = True) -> bool:
         """Follow parameters and masks replaced since the last step (``setattr``,
         ``load_state_dict(assign=True)``, ``to_empty``, ``.to()``) and prune them (unless
-        ``prune`` is False); returns whether any was replaced. A mask whose values were lost
-        (``to_empty``) gets them back; one on the meta device is built from the weights."""
-        replaced = False
-        for name, sp in self.sparse_params.items():
-            param, mask = self._seen[name]
-            current = sp.module._buffers.get(sp.mask_name)
-            if sp.module._parameters.get(sp.param_name) is param and current is mask:
-                continue
-            replaced = True
-            if current is not mask:
-                self._restore_mask(sp, mask, current)
+        ``prune`` is False); returns whether any was replaced. A mask that moved with the model
+        is taken as it is; one built on the meta device is built again from the weights.
+
+        Raises:
+            RuntimeError: a mask was replaced on its own device and the one before is gone
+                (``to_empty``: uninitialised memory), so its values are unknown; checked for
+                every parameter before any is followed.
+        """
+        stale = {
+            name: sp for name, sp in self.sparse_params.items() if not self._seen[name].still_on(sp)
+        }
+        for name, sp in stale.items():
+            _check_recoverable(name, self._seen[name], sp.module._buffers.get(sp.mask_name))
+        for name, sp in stale.items():
+            self._restore_mask(sp, self._seen[name], sp.module._buffers.get(sp.mask_name))
             self._hook(sp)
             if prune:
                 sp.prune_()
-        if replaced:
+        if stale:
             self.changed()
-        return replaced
+        return bool(stale)
 
-    def _restore_mask(
-        self, sp: SparseParameter, known: torch.Tensor, current: torch.Tensor | None
-    ) -> None:
+    def _restore_mask(self, sp: SparseParameter, seen: _Seen, current: torch.Tensor | None) -> None:
+        known = seen.mask()
+        if current is known:
+            return  # only the parameter was replaced
         param = sp.param
-        if known.is_meta:
+        if seen.mask_device.type == "meta" and (current is None or not current.is_meta):
             sp.register_mask(self.initial_mask(sp.name, param.detach()).to(param.device))
-        elif current is None or current.is_meta:
+        elif known is not None and (current is None or current.is_meta):
             sp.register_mask(known.to(param.device))
-        elif current.device == known.device and not torch.equal(known, current):
-            sp.register_mask(known)  # ``to_empty`` on the same device: its values come back
-        # On another device the mask moved with the model (``.to()``): nothing to copy.
+        elif known is not None and current is not None and current.device == known.device:
+            if not torch.equal(known, current):  # ``to_empty`` while the old mask lives on
+                sp.register_mask(known)
+        # Otherwise the mask moved with the model (``.to()``): nothing to copy.
+
+    def adopt_masks(self) -> None:
+        """The mask buffers as they are now are the masks (their values were just written: a
+        model or algorithm state loaded), wherever they came from."""
+        for name, sp in self.sparse_params.items():
+            mask = sp.mask
+            self._seen[name] = replace(
+                self._seen[name],
+                mask=weakref.ref(mask, self._mask_dropped(name)),
+                mask_device=mask.device,
+            )
+
+    def _mask_dropped(self, name: str) -> Callable[[Any], None]:
+        """Callback of the weak reference to ``name``'s mask: the module let it go (a move, a
+        ``to_empty``, a removal), so what this path kept for it goes too, and the listeners
+        (`on_mask_dropped`) hear of it. A weak reference's callback must not raise."""
+
+        def dropped(_: Any) -> None:
+            self.unpruned.pop(name, None)
+            for listener in list(self.on_mask_dropped):
+                listener(name)
+
+        return dropped
 
     # ------------------------------------------------------------------ 5. a model state loads
     def before_model_load(
@@ -355,8 +373,7 @@ class StepHooks:
     def after_model_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The model's load post-hook: follow assigned parameters, adopt incoming masks, keep the
         values pruning will zero where none came (`PrunedValues`), prune."""
-        for name, sp in self.sparse_params.items():  # the masks as they are now are the known
-            self._seen[name] = (self._seen[name][0], sp.mask)
+        self.adopt_masks()  # the masks as they are now are the known
         self.rebind(prune=False)
         incoming, self.incoming = self.incoming, {}
         with torch.no_grad():
@@ -379,6 +396,45 @@ def _distributed() -> bool:
     masked in its own hook, before the copy (one launch per weight), not in one pass after the
     last."""
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@dataclass
+class _Seen:
+    """What a parameter's hooks were installed on, held weakly so that a move (``.to()``) frees
+    the tensors from before at once: the parameter, its mask and the device the mask was on."""
+
+    param: Callable[[], torch.Tensor | None]
+    mask: Callable[[], torch.Tensor | None]
+    mask_device: torch.device
+
+    @classmethod
+    def of(cls, param: torch.Tensor, mask: torch.Tensor, dropped: Callable[[Any], None]) -> _Seen:
+        return cls(weakref.ref(param), weakref.ref(mask, dropped), mask.device)
+
+    def still_on(self, sp: SparseParameter) -> bool:
+        """Whether ``sp``'s module still holds the very parameter and mask seen."""
+        mask = sp.module._buffers.get(sp.mask_name)
+        param = sp.module._parameters.get(sp.param_name)
+        return mask is not None and mask is self.mask() and param is self.param()
+
+
+def _check_recoverable(name: str, seen: _Seen, current: torch.Tensor | None) -> None:
+    """Raise unless `StepHooks.rebind` can tell the values of ``name``'s mask (module docstring,
+    moment 4): the one seen lives on, or was built on the meta device, or the module holds one
+    that moved with the model (another device, or the meta device)."""
+    if current is not None and seen.mask() is current:
+        return
+    if seen.mask() is not None or seen.mask_device.type == "meta":
+        return
+    if current is not None and (current.is_meta or current.device != seen.mask_device):
+        return
+    what = "was removed" if current is None else f"was replaced on {seen.mask_device}"
+    raise RuntimeError(
+        f"the mask buffer of {name!r} {what} and the mask before it is gone, so its values are "
+        "unknown (Module.to_empty() gives every buffer uninitialised memory); restore the "
+        "masks with the algorithm's state saved before (sparsity.load_state_dict(state)), "
+        "or apply a new algorithm to the model"
+    )
 
 
 class _Hook:

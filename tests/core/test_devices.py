@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+from benchmarks.held import held_tensors
 from benchmarks.step_ops import as_on_a_gpu
 from lightning_sparse import core
 from lightning_sparse.core.algorithms.registry import available_algorithms
@@ -42,34 +43,6 @@ def make(name: str) -> core.SparsityAlgorithm:
     if name not in CASES:
         pytest.fail(f"algorithm {name!r} is registered but has no entry in CASES; add one")
     return CASES[name]()
-
-
-def held_tensors(obj: object, path: str = "algorithm") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(path, tensor)`` for every tensor reachable from ``obj``: attributes, mappings,
-    sequences, sets and the cells of functions' closures, each object once; modules and
-    optimizers are not entered (they own their tensors), nor weak references."""
-    seen: set[int] = set()
-    stack: list[tuple[str, object]] = [(path, obj)]
-    while stack:
-        where, value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            yield where, value
-        elif isinstance(value, (nn.Module, torch.optim.Optimizer, type, types.ModuleType)):
-            continue
-        elif isinstance(value, dict):
-            stack.extend((f"{where}[{k!r}]", v) for k, v in value.items())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(value))
-        elif isinstance(value, types.FunctionType):
-            cells = value.__closure__ or ()
-            stack.extend((f"{where}<cell {i}>", c.cell_contents) for i, c in enumerate(cells))
-        elif isinstance(value, types.MethodType):
-            stack.append((f"{where}.__self__", value.__self__))
-        elif hasattr(value, "__dict__") and not isinstance(value, torch.Generator):
-            stack.extend((f"{where}.{k}", v) for k, v in vars(value).items())
 
 
 def off_device(obj: object, device: str) -> list[str]:
@@ -110,43 +83,68 @@ def test_held_tensors_finds_a_tensor_in_a_closure_and_a_dict() -> None:
 @pytest.mark.parametrize("name", registered())
 def test_lightning_order_apply_then_move_then_optimizer_holds_nothing_behind(name: str) -> None:
     """Lightning's order: ``apply(model)`` in ``setup`` on the CPU, the move, then
-    ``apply(optimizer)`` in ``on_fit_start``."""
+    ``apply(optimizer)`` in ``on_fit_start``. Nothing is left behind at any point: the step
+    path holds what it hooked weakly."""
     net, sparsity = model(), make(name)
     net.apply(sparsity)
     assert sparsity.sparse_params, name
     net.to("meta")
-    # Until the next `rebind`, the step path's record of the tensors it hooked (which lets a
-    # ``to_empty`` on the same device get the masks back) is all that is left behind.
-    left = off_device(sparsity, "meta")
-    assert left and all(w.startswith("algorithm.hooks._seen[") for w in left), left
+    assert off_device(sparsity, "meta") == [], name
     sparsity.apply(torch.optim.SGD(net.parameters(), lr=0.1))
     assert off_device(sparsity, "meta") == [], name
     for sp in sparsity.sparse_params.values():
         assert sp.mask.is_meta and all(e.is_meta for e in sparsity.ever_active.values())
 
 
+def trained(name: str, steps: int = 5) -> tuple[nn.Sequential, core.SparsityAlgorithm, Any]:
+    """A model trained ``steps`` steps with algorithm ``name`` (updates every 2 steps)."""
+    net, sparsity = model(), make(name)
+    net.apply(sparsity)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # no state: steps on any device
+    sparsity.apply(optimizer)
+    train(net, optimizer, steps)
+    assert sparsity.step == steps
+    return net, sparsity, optimizer
+
+
 @pytest.mark.parametrize("gpu_path", [False, True], ids=["cpu-path", "gpu-path"])
 @pytest.mark.parametrize("name", registered())
-def test_move_after_training_holds_nothing_behind_after_the_next_step(
+def test_move_after_training_holds_nothing_behind_with_no_step_after_it(
     name: str, gpu_path: bool
 ) -> None:
-    """Trained on the CPU (updates included), moved, one more step (on the meta device): the
-    old tensors are let go, the GPU path's kept multipliers (`masking.Multipliers`) included.
-    ``last_update`` is the record of the update that ran, on the CPU, and is read once for
-    logging; it is not state, so it stays where it was made."""
+    """Trained on the CPU (updates included), moved, and no step after it (Lightning moves the
+    module back to the CPU when ``fit`` ends): no tensor of the old device is held by the
+    algorithm, its hooks, or the last update's figures (they follow the masks)."""
     with as_on_a_gpu() if gpu_path else contextlib.nullcontext():
-        net, sparsity = model(), make(name)
-        net.apply(sparsity)
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)  # no state: steps on any device
-        sparsity.apply(optimizer)
-        train(net, optimizer, 5)
-        assert sparsity.step == 5
-        kept = [t for w, t in held_tensors(sparsity) if "_multipliers" in w]
-        assert bool(kept) == gpu_path
+        net, sparsity, _ = trained(name)
+        had_figures = bool(sparsity.last_update)
+        net.to("meta")
+    assert off_device(sparsity, "meta") == [], name
+    assert bool(sparsity.last_update) == had_figures
+
+
+@pytest.mark.parametrize("name", registered())
+def test_move_then_a_step_still_trains_on_the_new_device(name: str) -> None:
+    """After the move, the next step follows the moved tensors (on the meta device here)."""
+    with as_on_a_gpu():
+        net, sparsity, optimizer = trained(name)
         net.to("meta")
         train(net, optimizer, 1)
-    sparsity.last_update = {}
+    assert sparsity.step == 6
     assert off_device(sparsity, "meta") == [], name
+
+
+@pytest.mark.parametrize("name", registered())
+def test_dtype_change_holds_no_copy_in_the_old_dtype(name: str) -> None:
+    """``.to(torch.float64)`` with no step after it: nothing of a parameter's shape is held,
+    in float32 or as an integer copy of a mask (the masks cost their bool bytes only)."""
+    with as_on_a_gpu():
+        net, sparsity, _ = trained(name)
+        net.to(torch.float64)
+    shapes = {tuple(p.shape) for p in net.parameters()}
+    kept = [w for w, t in held_tensors(sparsity) if tuple(t.shape) in shapes]
+    assert kept == [], kept
+    assert all(p.dtype == torch.float64 for p in net.parameters())
 
 
 @pytest.mark.parametrize("name", registered())
@@ -177,3 +175,28 @@ def test_ever_active_of_an_earlier_version_full_size_still_loads() -> None:
     full = {n: torch.ones_like(m) for n, m in sparsity.ever_active.items()}
     sparsity.load_state_dict({**state, "ever_active": full})
     assert all(bool(m.all()) for m in sparsity.ever_active.values())
+
+
+def test_to_empty_without_the_saved_state_refuses_the_next_step_and_changes_nothing() -> None:
+    """``to_empty`` on the same device leaves masks of unknown values (the ones before are let
+    go, held weakly): the next step refuses, naming the parameter and the fix, before it prunes
+    or steps anything; loading the saved state then lets training go on."""
+    net, sparsity, optimizer = trained("rigl", 3)
+    saved = sparsity.state_dict()
+    masks = {n: sp.mask.clone() for n, sp in sparsity.sparse_params.items()}
+    net.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in net.parameters():
+            p.fill_(1.0)
+    net(torch.ones(4, 6)).sum().backward()
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"mask buffer of '0\.weight' was replaced on cpu.*"):
+        optimizer.step()
+    assert all(torch.equal(v, net.state_dict()[k]) for k, v in before.items())
+    assert sparsity.step == 3
+    sparsity.load_state_dict(saved)
+    optimizer.step()
+    assert sparsity.step == 4
+    for name, sp in sparsity.sparse_params.items():
+        assert torch.equal(sp.mask, masks[name]), name
+        assert bool((sp.param[~sp.mask] == 0).all()), name

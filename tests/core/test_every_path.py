@@ -225,17 +225,20 @@ def setattr_parameter(run: Run, t: int) -> None:
 
 
 def to_empty_and_reset(run: Run, t: int) -> None:
-    """b. ``to_empty`` + ``reset_parameters`` (same optimizer). The mask buffers come back as
-    uninitialised memory; they are zeroed here so that what they hold is deterministic (any
-    content is possible)."""
+    """b. ``to_empty`` + ``reset_parameters`` (same optimizer), then the algorithm's state
+    loaded back. ``to_empty`` gives the mask buffers uninitialised memory (zeroed here, so that
+    what they hold is deterministic: any content is possible); the algorithm holds the masks
+    before it weakly (nothing outlives a move), so they come back from its saved state."""
     if t == 3:  # not an update step: the masks must come back exactly
         before = {n: sp.mask.clone() for n, sp in run.sparsity.sparse_params.items()}
+        saved = run.sparsity.state_dict()
         run.model.to_empty(device="cpu")
         for module in run.model.modules():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
         for sp in run.sparsity.sparse_params.values():
             sp.mask.zero_()
+        run.sparsity.load_state_dict(saved)
         plain_backward(run, t)
         for name, sp in run.sparsity.sparse_params.items():
             assert torch.equal(sp.mask, before[name]), f"{name}: mask lost by to_empty"

@@ -44,15 +44,15 @@ def test_an_ordinary_step_adds_a_handful_of_kernels_whatever_the_number_of_weigh
     counts, kind: str
 ) -> None:
     """One fused pass over the gradients (when backward produced the last) and one over the
-    weights, with the masks kept as multipliers of the bit views' dtype (was: two launches per
-    masked weight, a hook's ``mul_`` and a mixed-dtype ``_foreach_mul_``)."""
+    weights, each one compiled kernel that casts the bool masks inside it (`fused_mask`; was:
+    two launches per masked weight, a hook's ``mul_`` and a mixed-dtype ``_foreach_mul_``)."""
     extra = [counts[kind, layers][0] - counts["dense", layers][0] for layers in SIZES]
     assert extra[0] == extra[1] <= 4, extra
 
 
-def test_multipliers_train_bit_for_bit_as_bool_masks() -> None:
-    """The GPU's path (integer multipliers, `as_on_a_gpu`) and the CPU's (bool masks) give
-    the same weights and masks."""
+def test_the_gpu_path_trains_bit_for_bit_as_the_cpu_path() -> None:
+    """The GPU's path (the compiled product, `as_on_a_gpu`) and the CPU's (``_foreach_mul_`` by
+    the bool masks) give the same weights and masks."""
     runs = []
     for gpu_path in (False, True):
         with as_on_a_gpu() if gpu_path else contextlib.nullcontext():
@@ -76,8 +76,8 @@ def test_an_update_makes_one_host_sync_whatever_the_number_of_weights(counts) ->
 
 def test_an_update_adds_at_most_eight_kernels_per_masked_weight(counts) -> None:
     """Same-shape weights share one top-k over their stack (was about 62 kernels per weight):
-    what a weight adds is its grow score, its share of the stacks, its integer multiplier and
-    the dense-gradient hook. The rest is per shape, so it does not grow with the weights."""
+    what a weight adds is its grow score, its share of the stacks and the dense-gradient hook.
+    The rest is per shape, so it does not grow with the weights."""
     (small, n_small), (large, n_large) = (
         (counts["rigl update", layers][0] - counts["dense", layers][0], counts["static", layers][2])
         for layers in SIZES
@@ -114,3 +114,28 @@ def test_reports_after_an_update_read_the_counts_in_one_transfer(layers: int) ->
     assert loop.sparsity is not None and len(rows) == len(loop.sparsity.sparse_params)
     for name, sp in loop.sparsity.sparse_params.items():
         assert rows[name]["nonzeros"] == int(sp.mask.sum()) == int(0.2 * sp.mask.numel())
+
+
+def test_a_sparsity_state_loaded_mid_run_prunes_by_its_masks_on_the_gpu_path() -> None:
+    """Masks written in place by ``load_state_dict`` (their tensors stay the same objects),
+    then a step as on a GPU: every weight, and Adam's state, is zero where the loaded masks are
+    False. (A per-mask cache keyed by the tensor alone, like the integer multipliers once kept
+    for the fused pass, keeps pruning by the masks from before.)"""
+    with as_on_a_gpu():
+        loop = Loop("rigl", DIM, 1)
+        assert loop.sparsity is not None
+        loop.step()
+        saved = loop.sparsity.state_dict()
+        for _ in range(6):  # RigL updates move the masks away from the saved ones
+            loop.step()
+        params = loop.sparsity.sparse_params
+        before = {n: sp.mask.clone() for n, sp in params.items()}
+        loop.sparsity.load_state_dict(saved)
+        loop.step()
+    assert any(not torch.equal(before[n], sp.mask) for n, sp in params.items())
+    for name, sp in params.items():
+        pruned = ~sp.mask
+        assert int(sp.param.detach()[pruned].count_nonzero()) == 0, name
+        for key, value in loop.optimizer.state[sp.param].items():
+            if torch.is_tensor(value) and value.shape == sp.param.shape:
+                assert int(value[pruned].count_nonzero()) == 0, f"{name} {key}"

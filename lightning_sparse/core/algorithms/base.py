@@ -44,6 +44,7 @@ from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
 from ..saved_state import Expected, check_state, saved_ever_active, saved_masks, saved_targets
+from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
@@ -116,6 +117,7 @@ class SparsityAlgorithm(ABC):
         self.layers = LayerSparsity(distribution, erk_power_scale)
         self.track_itop = bool(track_itop)
         self.name = f"sparsity_{type(self).__name__.lower()}_{next(_counter)}"
+        self._skips = SkippedSteps()  # fused steps under a GradScaler, maybe skipped
         self.step = 0
         self.autoupdate = True  # optimizer steps update the masks (False: call update() yourself)
         self.lightning_driven = False  # set by the Lightning layer: it calls before_step itself
@@ -136,6 +138,7 @@ class SparsityAlgorithm(ABC):
         self.hooks = StepHooks(
             self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
         )
+        self.hooks.on_mask_dropped.append(self._follow_mask)
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
@@ -148,6 +151,19 @@ class SparsityAlgorithm(ABC):
         return ()
 
     # ------------------------------------------------------------------ schedule
+    @property
+    def step(self) -> int:
+        """Completed optimizer steps. A fused optimizer's step that a ``GradScaler`` skipped
+        (overflow) is taken back when the count is next read (`scaler_steps`)."""
+        if self._skips:
+            self._step -= self._skips.settle()
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._skips.clear()
+        self._step = value
+
     @property
     def starts_sparse(self) -> bool:
         """Whether step 0 is an update step (else masks stay all-ones until the first update)."""
@@ -407,7 +423,10 @@ class SparsityAlgorithm(ABC):
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         optimizers = self.hooks.optimizers
         if optimizers and optimizer is optimizers[-1]:  # the optimizer applied last counts
-            self.step += 1
+            self._step += 1
+            flag = found_inf(optimizer)
+            if flag is not None:  # a GradScaler's fused step: it may have skipped itself
+                self._skips.note(flag)
         self.hooks.after_step(optimizer)
 
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -416,9 +435,8 @@ class SparsityAlgorithm(ABC):
         due = self.sparse_params and self.last_update_step != self.step and self.is_update_step()
         if not due:
             return
-        grads = [sp.param.grad for sp in self.sparse_params.values()]
-        if self.check_finite and not all_finite([g for g in grads if g is not None]):
-            return  # AMP skips this step; the step counter does not advance, retry next time
+        if self._overflowed(optimizer):
+            return  # the scaler skips this step: the step is not counted, retried at the next
         with torch.no_grad():
             targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             masks = self.compute_masks(targets)
@@ -427,6 +445,18 @@ class SparsityAlgorithm(ABC):
         if optimizer is None:  # called by hand: mask the gradients for clipping now
             for opt in self.hooks.optimizers:
                 self.hooks.sync(opt)
+
+    def _overflowed(self, optimizer: torch.optim.Optimizer | None) -> bool:
+        """Whether a ``GradScaler`` will skip this step: the overflow flag it gave a fused
+        ``optimizer`` (`scaler_steps.found_inf`), else, under AMP (``check_finite``), whether a
+        gradient holds inf or NaN (one host sync, on update steps only)."""
+        flag = found_inf(optimizer) if optimizer is not None else None
+        if flag is not None:
+            return bool(flag)
+        if not self.check_finite:
+            return False
+        grads = [sp.param.grad for sp in self.sparse_params.values()]
+        return not all_finite([g for g in grads if g is not None])
 
     def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
         """New masks by ``update_mask``, one parameter at a time (a sharded one gathered with its
@@ -536,6 +566,15 @@ class SparsityAlgorithm(ABC):
                 "algorithm to the model before drawing masks"
             )
         return self.seed
+
+    def _follow_mask(self, name: str) -> None:
+        """The module let ``name``'s mask go (`StepHooks.on_mask_dropped`): the last update's
+        figures of ``name`` follow the mask that replaced it to its device (a move), so nothing
+        stays behind on the old one."""
+        sp, stats = self.sparse_params.get(name), self.last_update.get(name)
+        mask = sp.module._buffers.get(sp.mask_name) if sp is not None else None
+        if stats and mask is not None:
+            self.last_update[name] = {k: v.to(mask.device) for k, v in stats.items()}
 
     # ------------------------------------------------------------------ reports and observers
     def mask_target(self, name: str) -> float:
@@ -647,6 +686,7 @@ class SparsityAlgorithm(ABC):
                     sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
                 sp.prune_()
         self.mask_targets.update(targets)
+        self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
         self.hooks.changed()
 
     def remove(self) -> None:

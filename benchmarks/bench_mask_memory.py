@@ -1,0 +1,86 @@
+"""Bytes an algorithm adds per masked weight, on the CPU's path and the GPU's.
+
+Beyond the weights and the optimizer's own state, sparsity costs the bool mask (1 B per masked
+weight) and, where ITOP is tracked (RigL, SET, GraNet by default), the ever-active set (1 B).
+Anything else the algorithm holds across steps is counted too (`held.bytes_per_masked_weight`:
+its buffers on the model and every tensor reachable from it that is not the model's or the
+optimizer's). The GPU's path is taken on the CPU (`step_ops.as_on_a_gpu`): it is the path that
+once kept an integer copy of each mask for the fused foreach product (4 B per fp32 weight).
+
+A plain loop over the package's `Llama` (every linear weight of the blocks masked, sparsity
+0.8, fused AdamW) runs a few steps, a mask update included, in fp32 and in bf16; then the bytes
+are counted. Goal (issue 32): at most 1 B, plus 1 B with ITOP, on both paths.
+
+    python benchmarks/bench_mask_memory.py [--dim 128] [--layers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+from benchmarks._harness import machine_facts  # noqa: E402
+from benchmarks.held import bytes_per_masked_weight  # noqa: E402
+from benchmarks.step_ops import as_on_a_gpu  # noqa: E402
+from lightning_sparse import RigL, SparsityAlgorithm, Static  # noqa: E402
+from lightning_sparse.models.llama import Llama, LlamaConfig  # noqa: E402
+
+STEPS = 5  # RigL updates at step 4
+
+
+def algorithm(kind: str) -> SparsityAlgorithm:
+    if kind == "static":
+        return Static(0.8, seed=0)
+    return RigL(0.8, update={"freq": 4}, drop_fraction=0.3, seed=0)
+
+
+def measure(kind: str, dtype: torch.dtype, gpu_path: bool, dim: int, layers: int) -> str:
+    with as_on_a_gpu() if gpu_path else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = Llama(LlamaConfig(dim=dim, n_layers=layers, n_heads=4, max_seq_len=32))
+        model.to(dtype)
+        sparsity = algorithm(kind)
+        model.apply(sparsity)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        sparsity.apply(optimizer)
+        tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+        for _ in range(STEPS):
+            logits = model(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1).float(), tokens[:, 1:].flatten()
+            )
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        per_weight, kinds = bytes_per_masked_weight(model, sparsity, optimizer)
+    itop = "yes" if sparsity.ever_active else "no"
+    path = "gpu" if gpu_path else "cpu"
+    return (
+        f"{kind:<7} {str(dtype).removeprefix('torch.'):<9} {path:<5} {itop:<5} "
+        f"{per_weight:>8.2f} {kinds['buffers']:>10} {kinds['held']:>9}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    args = parser.parse_args()
+    print(machine_facts())
+    print(f"Llama dim {args.dim}, {args.layers} blocks, sparsity 0.8, {STEPS} steps, fused AdamW")
+    print(f"{'kind':<7} {'dtype':<9} {'path':<5} {'itop':<5} {'B/weight':>8}", end="")
+    print(f" {'buffers':>10} {'held':>9}")
+    for kind in ("static", "rigl"):
+        for dtype in (torch.float32, torch.bfloat16):
+            for gpu_path in (False, True):
+                print(measure(kind, dtype, gpu_path, args.dim, args.layers))
+
+
+if __name__ == "__main__":
+    main()

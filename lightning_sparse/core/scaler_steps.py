@@ -9,9 +9,11 @@ weights and state as they were. Such a step must not count either, nor run a mas
 the overflowed gradients: the update is retried at the next step, as with any other optimizer.
 
 The flag lives on the device. Reading it at once would stall the host every step, so
-`SkippedSteps` copies it to the host asynchronously (pinned memory, an event) and reads it when
-the step count is next needed, by which time the copy is long done. On the CPU it is read at
-once (there is no queue to drain).
+`SkippedSteps` copies it to the host asynchronously (pinned memory, an event) and reads the
+copies that have arrived (`settle` without waiting); the step count is then known to lie in a
+small range (`pending` steps unsettled), and the algorithm waits for the rest only when an
+update may be due within that range, or when the exact count is asked for. On the CPU the flag
+is read at once (there is no queue to drain).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class SkippedSteps:
     """Flags of fused steps taken under a ``GradScaler``, settled into a count when asked."""
 
     def __init__(self) -> None:
-        self._pending: list[tuple[torch.Tensor, torch.Event | None]] = []
+        self._pending: list[tuple[torch.Tensor, torch.Event]] = []
         self._skipped = 0  # read on the CPU already
 
     def note(self, flag: torch.Tensor) -> None:
@@ -46,19 +48,23 @@ class SkippedSteps:
         event.record()
         self._pending.append((host, event))
 
-    def __bool__(self) -> bool:
-        """Whether any noted step is not yet settled."""
-        return bool(self._pending) or self._skipped > 0
+    @property
+    def pending(self) -> int:
+        """Noted steps whose flag has not been read yet."""
+        return len(self._pending)
 
-    def settle(self) -> int:
-        """How many noted steps the scaler skipped (waits for the copies, which are done by the
-        time a later step reads the count); forgets them."""
+    def settle(self, wait: bool = True) -> int:
+        """How many of the noted steps the scaler skipped, forgetting them: all of them
+        (``wait``: waits for the copies, usually long done), or those whose copy has arrived."""
         skipped, self._skipped = self._skipped, 0
-        for host, event in self._pending:
-            if event is not None:
+        while self._pending:
+            host, event = self._pending[0]
+            if not event.query():
+                if not wait:
+                    break
                 event.synchronize()
             skipped += int(bool(host))
-        self._pending = []
+            self._pending.pop(0)
         return skipped
 
     def clear(self) -> None:

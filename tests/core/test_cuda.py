@@ -477,3 +477,79 @@ def test_ordinary_steps_do_not_sync_the_host(
         assert_pruned_state_is_zero(sparsity, optimizer, f"step {sparsity.step}")
     assert guarded_steps >= 7
     assert sparsity.step == 10
+
+
+# ---------------------------------------------------------------------------- memory (issue 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["static", "rigl"])
+def test_masks_cost_their_bool_bytes_on_cuda(name: str, dtype: torch.dtype) -> None:
+    """What the algorithm adds per masked weight beyond weights and optimizer state: the bool
+    mask, and the ever-active set where ITOP is tracked; the pruning product runs compiled
+    (`fused_mask`), not per tensor."""
+    from benchmarks.held import bytes_per_masked_weight
+    from lightning_sparse.core import fused_mask
+
+    model = mlp("cuda").to(dtype)
+    sparsity = ALGORITHMS[name]()
+    model.apply(sparsity)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    sparsity.apply(optimizer)
+    for x, y in batches("cuda"):
+        train_step(model, optimizer, x.to(dtype), y.to(dtype))
+    per_weight, _ = bytes_per_masked_weight(model, sparsity, optimizer)
+    limit = 2.0 if sparsity.ever_active else 1.0
+    assert per_weight <= limit + 0.01, per_weight
+    assert not fused_mask._broken, "the fused pruning kernel did not compile on CUDA"
+
+
+@pytest.mark.cuda
+def test_nothing_stays_on_the_gpu_after_the_model_leaves_it() -> None:
+    """Trained on CUDA (a mask update included), moved to the CPU, the optimizer dropped (its
+    state is the user's): no CUDA memory is left allocated by the algorithm."""
+    import gc
+
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    model, sparsity, optimizer = setup("cuda", ALGORITHMS["rigl"])
+    for x, y in batches("cuda"):
+        train_step(model, optimizer, x, y)
+    assert sparsity.last_update
+    del x, y, optimizer
+    model.cpu()
+    gc.collect()
+    assert torch.cuda.memory_allocated() == before
+    assert all(sp.mask.device.type == "cpu" for sp in sparsity.sparse_params.values())
+
+
+@pytest.mark.cuda
+def test_fused_adamw_under_a_grad_scaler_makes_no_host_sync_on_ordinary_steps() -> None:
+    """The scaler's ``found_inf`` of a fused step is read asynchronously (`scaler_steps`):
+    ordinary fp16 steps run under ``set_sync_debug_mode("error")``."""
+    data = batches("cuda", n=8)
+    model = mlp("cuda")
+    sparsity = Static(SPARSITY, seed=1)
+    model.apply(sparsity)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    sparsity.apply(optimizer)
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+    step(*data[0])  # lazy state, the first compilation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for x, y in data[1:]:
+            step(x, y)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sparsity.step == 8

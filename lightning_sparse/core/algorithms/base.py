@@ -155,14 +155,23 @@ class SparsityAlgorithm(ABC):
     def step(self) -> int:
         """Completed optimizer steps. A fused optimizer's step that a ``GradScaler`` skipped
         (overflow) is taken back when the count is next read (`scaler_steps`)."""
-        if self._skips:
-            self._step -= self._skips.settle()
+        self._step -= self._skips.settle()
         return self._step
 
     @step.setter
     def step(self, value: int) -> None:
         self._skips.clear()
         self._step = value
+
+    def _update_may_be_due(self) -> bool:
+        """Whether an update may be due at this step, without waiting for the overflow flags of
+        fused steps still on their way (`scaler_steps`): the step is one of a few values then.
+        """
+        self._step -= self._skips.settle(wait=False)
+        return any(
+            step != self.last_update_step and self.is_update_step(step)
+            for step in range(self._step - self._skips.pending, self._step + 1)
+        )
 
     @property
     def starts_sparse(self) -> bool:
@@ -177,9 +186,7 @@ class SparsityAlgorithm(ABC):
     @property
     def dense_grad_needed(self) -> bool:
         """True while backward must keep the gradient dense for this step's update."""
-        return (
-            self.needs_dense_grad and self.last_update_step != self.step and self.is_update_step()
-        )
+        return self.needs_dense_grad and self._update_may_be_due()
 
     def grow_candidates(self, name: str) -> int | None:
         """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
@@ -432,8 +439,9 @@ class SparsityAlgorithm(ABC):
     def update(self, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Recompute the masks on update steps (once per step), before the optimizer step. In a
         plain loop that clips gradients, call it before clipping on update steps."""
-        due = self.sparse_params and self.last_update_step != self.step and self.is_update_step()
-        if not due:
+        if not self.sparse_params or not self._update_may_be_due():
+            return  # decided without waiting for a fused step's overflow flag
+        if self.last_update_step == self.step or not self.is_update_step():
             return
         if self._overflowed(optimizer):
             return  # the scaler skips this step: the step is not counted, retried at the next

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_sparse.lightning.clipping import clip_gradients
 from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
 
@@ -148,6 +149,16 @@ class LitCausalLM(L.LightningModule):
         (``*_mask`` entries) load (a callback in the Trainer has applied its algorithm already,
         which then restores the masks itself)."""
         restore_checkpoint_masks(self, checkpoint)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip as the Trainer says, under mixed precision too: Lightning's own clipping refuses
+        the fused AdamW there (`lightning_sparse.lightning.clipping`)."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW with decay on matrices only, and a per-step warmup-cosine LambdaLR."""

@@ -3,12 +3,16 @@
 # lightning but no package index, install the project and the wheels carried in .whl/
 # (benchmarks/gpu_wheels.sh fills it), then run, each part with a time limit, going on past a
 # failing part:
-#   cuda   the CUDA tests:            pytest -m cuda tests
+#   cuda   the CUDA tests:            pytest -m cuda (the test files that mark tests cuda)
 #   suite  the suite (not slow):      pytest -m "not slow and not cuda" tests/core tests/lightning
 #                                     tests/wse tests/integrations tests/models
 #   fit    the main job on the GPU:   lightning-sparse fit (the default recipe, accelerator auto),
 #                                     its validation loss and wall time
 #   bench  the per-step cost:         python benchmarks/bench_gpu_step.py
+# A package the machine lacks after set-up (a wheel missing from the folder, or no folder) skips
+# only the parts that need it, named in the table: fit needs jsonargparse (without wandb it writes
+# CSV logs instead of W&B's); cuda and suite need pytest (suite hypothesis too), and their tests
+# that need jsonargparse, wandb or compressed-tensors skip themselves.
 # Every log goes into one folder (--out; default $OUT when set, else ./gpu_check_logs), with a
 # summary table at the end (also summary.txt there). About 9 minutes on an H200 in all, inside
 # the device tool's 10 minutes per command; --parts picks some.
@@ -30,6 +34,8 @@ parts="cuda,suite,fit,bench"
 out=${OUT:-$repo/gpu_check_logs}
 wheels=$repo/.whl
 declare -A limit=([cuda]=75 [suite]=210 [fit]=140 [bench]=85)
+# What each part cannot run without (benchmarks/gpu_wheels.py IMPORTS names them).
+declare -A needs=([cuda]="pytest" [suite]="pytest hypothesis" [fit]="jsonargparse" [bench]="")
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case $1 in
@@ -111,11 +117,15 @@ if [ $dry = 0 ] && grep -q "GPU: none$" "$out/machine.txt"; then
     echo "gpu_check: torch sees no GPU here: nothing to check (--dry-run runs without one)"
     exit 2
 fi
+wheel_note=""
 if [ -d "$wheels" ]; then
     "$py" benchmarks/gpu_wheels.py check "$wheels" >"$out/wheels.log" 2>&1
     status=$?
     cat "$out/wheels.log"
-    [ $status -eq 0 ] || { echo "gpu_check: the wheel folder is not ready (bash benchmarks/gpu_wheels.sh)"; exit 2; }
+    if [ $status -ne 0 ]; then  # install what is there; the parts that need the rest are skipped
+        echo "gpu_check: the wheel folder is not ready (bash benchmarks/gpu_wheels.sh): going on without what it lacks"
+        wheel_note="; wheel folder not ready, see $out/wheels.log"
+    fi
 elif [ $dry = 0 ]; then
     echo "gpu_check: no wheel folder $wheels: what the machine lacks cannot be installed"
     echo "gpu_check: fill it here with bash benchmarks/gpu_wheels.sh, carry it (docs/gpu.md)"
@@ -135,27 +145,34 @@ if [ $dry = 0 ]; then
 else
     status=0
 fi
-missing=$("$py" - <<'EOF'
-import importlib.util
-need = ["jsonargparse", "docstring_parser", "typeshed_client", "wandb", "pytest", "hypothesis"]
-print(" ".join(n for n in need if importlib.util.find_spec(n) is None))
-EOF
-)
 if [ $status -ne 0 ]; then
     record setup FAILED $((SECONDS - start)) "pip install (see $out/setup.log)"
     tail -n 15 "$out/setup.log"
     exit 1
-elif [ -n "$missing" ] && [ $dry = 0 ]; then
-    record setup FAILED $((SECONDS - start)) "still missing: $missing"
-    exit 1
-else
-    note=$([ $dry = 1 ] && echo "dry run: nothing installed" || echo "installed")
-    if [ -d "$wheels" ]; then  # versions the image holds that a wheel does not accept
-        "$py" benchmarks/gpu_wheels.py installed "$wheels" >"$out/versions.log" 2>&1 \
-            || note="$note; version conflicts, see $out/versions.log"
-    fi
-    record setup ok $((SECONDS - start)) "$note${missing:+; missing here: $missing}"
 fi
+# The packages the parts use that this Python cannot import, or the wheel folder cannot install
+# (a dry run installs nothing: the folder says what a real run would lack).
+declare -A lacks=()
+"$py" benchmarks/gpu_wheels.py missing "$wheels" >"$out/missing.log" 2>&1 || {
+    record setup FAILED $((SECONDS - start)) "benchmarks/gpu_wheels.py missing (see $out/missing.log)"
+    exit 1
+}
+while IFS=$'\t' read -r package why; do
+    [ -n "$package" ] && lacks[$package]=$why
+done <"$out/missing.log"
+note=$([ $dry = 1 ] && echo "dry run: nothing installed" || echo "installed")
+if [ -d "$wheels" ]; then  # versions the image holds that a wheel does not accept
+    "$py" benchmarks/gpu_wheels.py installed "$wheels" >"$out/versions.log" 2>&1 \
+        || note="$note; version conflicts, see $out/versions.log"
+fi
+without=$(printf '%s\n' "${!lacks[@]}" | sort | paste -sd' ' -)
+record setup ok $((SECONDS - start)) "$note$wheel_note${without:+; without: $without}"
+# The optional packages whose tests skip themselves, for the test parts' notes.
+skipping=""
+for package in jsonargparse wandb compressed-tensors; do
+    [ -n "${lacks[$package]:-}" ] && skipping="${skipping:+$skipping, }$package"
+done
+tests_note=${skipping:+"(without $skipping: their tests skip) "}
 bin=$("$py" -c "import os, sys; print(os.path.dirname(sys.executable))")
 export PATH="$bin:$PATH" WANDB_MODE=offline WANDB_SILENT=true
 
@@ -164,7 +181,7 @@ if [ $dry = 1 ]; then
     echo "gpu_check: the plan on a GPU machine (each part's limit in seconds):"
     for part in ${parts//,/ }; do
         case $part in
-            cuda) command="$py -m pytest -q -m cuda tests" ;;
+            cuda) command="$py -m pytest -q -m cuda \$(grep -rl --include='test_*.py' mark.cuda tests)" ;;
             suite) command="$py -m pytest -q -m 'not slow and not cuda' $suite_dirs" ;;
             fit) command="(cd $out/fit_run && $py -m lightning_sparse.app.cli fit)" ;;
             bench) command="$py benchmarks/bench_gpu_step.py" ;;
@@ -174,14 +191,21 @@ if [ $dry = 1 ]; then
     echo "gpu_check: now each part in a tiny CPU form:"
 fi
 for part in ${parts//,/ }; do
+    for package in ${needs[$part]}; do
+        if [ -n "${lacks[$package]:-}" ]; then
+            record "$part" SKIPPED 0 "needs $package: ${lacks[$package]}"
+            continue 2
+        fi
+    done
     case $part in
         cuda)
+            # Only the files that mark a test cuda: all of tests/ is slow to collect, and tests/app
+            # imports the command (jsonargparse) as it is collected.
+            mapfile -t cuda_files < <(grep -rl --include='test_*.py' "mark.cuda" tests)
             if [ $dry = 1 ]; then
-                # Only the files that mark a test cuda: collecting all of tests/ twice is slow.
-                mapfile -t cuda_files < <(grep -rl --include='test_*.py' "mark.cuda" tests)
-                run_part cuda "collected: " "$py" -m pytest -q --collect-only -p no:cacheprovider -m cuda "${cuda_files[@]}"
+                run_part cuda "${tests_note}collected: " "$py" -m pytest -q --collect-only -p no:cacheprovider -m cuda "${cuda_files[@]}"
             else
-                run_part cuda "" "$py" -m pytest -q -p no:cacheprovider -m cuda tests
+                run_part cuda "$tests_note" "$py" -m pytest -q -p no:cacheprovider -m cuda "${cuda_files[@]}"
             fi ;;
         suite)
             if [ $dry = 1 ]; then
@@ -190,18 +214,23 @@ for part in ${parts//,/ }; do
                 for dir in $suite_dirs; do
                     [ -d "$dir" ] || { record suite FAILED 0 "no folder $dir"; failed=1; continue 2; }
                 done
-                run_part suite "collected: " "$py" -m pytest -q --collect-only -p no:cacheprovider -m "not slow and not cuda" tests/models
+                run_part suite "${tests_note}collected: " "$py" -m pytest -q --collect-only -p no:cacheprovider -m "not slow and not cuda" tests/models
             else
                 # shellcheck disable=SC2086
-                run_part suite "" "$py" -m pytest -q -p no:cacheprovider -m "not slow and not cuda" $suite_dirs
+                run_part suite "$tests_note" "$py" -m pytest -q -p no:cacheprovider -m "not slow and not cuda" $suite_dirs
             fi ;;
         fit)
             mkdir -p "$out/fit_run"
             in_run_dir=(bash -c 'cd "$0" && exec "$@"' "$out/fit_run")
+            fit_args=() fit_note=""
+            if [ -n "${lacks[wandb]:-}" ]; then  # the recipe's WandbLogger needs it
+                fit_args=(--trainer.logger CSVLogger)
+                fit_note="CSV logs, no wandb: ${lacks[wandb]}; "
+            fi
             if [ $dry = 1 ]; then
-                run_part fit "config parses; " "${in_run_dir[@]}" "$py" -m lightning_sparse.app.cli fit --print_config
+                run_part fit "${fit_note}config parses; " "${in_run_dir[@]}" "$py" -m lightning_sparse.app.cli fit "${fit_args[@]}" --print_config
             else
-                run_part fit "" "${in_run_dir[@]}" "$py" -m lightning_sparse.app.cli fit
+                run_part fit "$fit_note" "${in_run_dir[@]}" "$py" -m lightning_sparse.app.cli fit "${fit_args[@]}"
                 # The run's validation loss (its summary.json), beside the part's wall time.
                 "$py" - "$out/fit_run" <<'EOF' | tee -a "$summary"
 import json, pathlib, sys

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_wheels.py check .whl       # is the set complete and closed?
     python benchmarks/gpu_wheels.py installed .whl   # (on the GPU machine, after installing)
+    python benchmarks/gpu_wheels.py missing .whl     # what gpu_check.sh's parts must do without
 
 ``check`` reads every ``*.whl`` in the folder (its ``METADATA``), and fails, naming them, when
 - a pin of ``benchmarks/gpu_wheels.txt`` has no wheel of that version, or a wheel is no pin's;
@@ -14,12 +15,18 @@ The image's versions are not known here, so a requirement it satisfies is checke
 ``installed`` checks versions where they are known: in the Python that runs it, every requirement
 of every wheel in the folder (markers evaluated there) is installed at a version it accepts.
 `benchmarks/gpu_check.sh` runs it after installing the wheels, and says what conflicts.
+
+``missing`` names, one ``package<TAB>why`` a line, each package `gpu_check.sh`'s parts use
+(`IMPORTS`) that this Python cannot import, or that the folder (when there is one) cannot install:
+no wheel of its own, or none of a dependency the image lacks. A wheel left out of the folder then
+skips only the parts that need its package (docs/gpu.md); the exit status is 0 either way.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import importlib.util
 import sys
 import zipfile
 from email.parser import Parser
@@ -34,6 +41,14 @@ PINS = HERE / "gpu_wheels.txt"
 IMAGE = HERE / "gpu_image_packages.txt"
 # What the project asks for (pyproject.toml), by the extras it names.
 ROOTS = {"jsonargparse": {"signatures"}, "wandb": set(), "compressed-tensors": set()}
+# What gpu_check.sh's parts import, by distribution: the roots above and the image's test tools.
+IMPORTS = {
+    "jsonargparse": ("jsonargparse", "docstring_parser", "typeshed_client"),  # [signatures]
+    "wandb": ("wandb",),
+    "compressed-tensors": ("compressed_tensors",),
+    "pytest": ("pytest",),
+    "hypothesis": ("hypothesis",),
+}
 # The GPU machine: python3 3.12 (CPython) on Linux x86_64.
 MARKERS = {
     "python_version": "3.12",
@@ -131,11 +146,57 @@ def installed_problems(folder: Path) -> list[str]:
     return errors
 
 
+def _first_gap(name: str, extras: set[str], wheels: dict[str, Path], image: set[str]) -> str | None:
+    """The first package of ``name``'s dependency closure (``name`` included, markers of the GPU
+    machine) that is neither a wheel in the folder nor a package of the image; None: none."""
+    seen: set[str] = set()
+    todo = [(canonicalize_name(name), extras)]
+    while todo:
+        project, wanted_extras = todo.pop()
+        if project in seen:
+            continue
+        seen.add(project)
+        if project not in wheels:
+            if project in image:
+                continue
+            return project
+        for line in _requires(wheels[project]):
+            requirement = Requirement(line)
+            if _wanted(requirement, wanted_extras, markers=None):
+                todo.append((canonicalize_name(requirement.name), set(requirement.extras)))
+    return None
+
+
+def missing(folder: Path | None, image: list[str]) -> dict[str, str]:
+    """``{package: why}`` for each package of `IMPORTS` that the wheel ``folder`` (None or absent:
+    not consulted) cannot install, or that this Python cannot import."""
+    wheels: dict[str, Path] | None = None
+    if folder is not None and folder.is_dir():
+        wheels = {str(parse_wheel_filename(w.name)[0]): w for w in sorted(folder.glob("*.whl"))}
+    in_image = {canonicalize_name(n) for n in image}
+    why = {}
+    for name, modules in IMPORTS.items():
+        if wheels is not None and name in ROOTS:
+            gap = _first_gap(name, ROOTS[name], wheels, in_image)
+            if gap is not None:
+                needs = "" if gap == name else f", which {name} needs"
+                why[name] = f"no wheel for {gap} in {folder}{needs}"
+                continue
+        absent = [m for m in modules if importlib.util.find_spec(m) is None]
+        if absent:
+            why[name] = f"not installed ({', '.join(absent)} cannot be imported)"
+    return why
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["check", "installed"])
+    parser.add_argument("command", choices=["check", "installed", "missing"])
     parser.add_argument("folder", type=Path)
     args = parser.parse_args(argv)
+    if args.command == "missing":  # the folder may be absent: then this Python alone decides
+        for name, why in missing(args.folder, names(IMAGE)).items():
+            print(f"{name}\t{why}")
+        return 0
     if not args.folder.is_dir():
         print(f"{args.folder}: no such folder (fill it with bash benchmarks/gpu_wheels.sh)")
         return 1

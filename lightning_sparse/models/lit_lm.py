@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_sparse.lightning.clipping import clip_gradients
 from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
 
@@ -120,6 +121,11 @@ class LitCausalLM(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def on_validation_epoch_start(self) -> None:
+        # A true 16-bit precision (``bf16-true``) casts the whole module to its dtype, metric
+        # states included: a bfloat16 sum of token-weighted losses keeps about 3 digits.
+        self.val_loss.set_dtype(torch.float32)
+
     def validation_step(self, batch: Tensor, batch_idx: int) -> None:
         loss = self.loss(batch)
         # Weight by token count so the epoch mean is per token even with a short last batch.
@@ -148,6 +154,16 @@ class LitCausalLM(L.LightningModule):
         (``*_mask`` entries) load (a callback in the Trainer has applied its algorithm already,
         which then restores the masks itself)."""
         restore_checkpoint_masks(self, checkpoint)
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip as the Trainer says, under mixed precision too: Lightning's own clipping refuses
+        the fused AdamW there (`lightning_sparse.lightning.clipping`)."""
+        clip_gradients(self, optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         """AdamW with decay on matrices only, and a per-step warmup-cosine LambdaLR."""

@@ -5,7 +5,8 @@ which build it has (`.ci/torch_report.py`).
 The set-up runs for real, in a copy of ``.ci/`` with fakes first on ``PATH``: a ``python3`` that
 makes a fake ``.venv`` and records every command given to it (``pip install`` of torch makes
 ``import torch`` succeed), and an ``nvidia-smi`` that lists a GPU or fails as it does without a
-driver. Nothing is installed.
+driver. Nothing is installed. ``.ci/torch_choice`` alone is run the same way, with an
+``nvidia-smi`` that says "No devices were found" and exits 0.
 """
 
 from __future__ import annotations
@@ -126,6 +127,40 @@ def test_without_a_gpu_the_cpu_build(tmp_path: Path) -> None:
     assert [c for c in commands if c.startswith("-m venv")] == ["-m venv .venv"]
     assert torch_installs(commands) == ["-m pip install --quiet torch==2.13.0"]
     assert "no NVIDIA GPU" in out
+
+
+@pytest.mark.parametrize(
+    ("smi_output", "smi_status", "has_torch", "choice"),
+    [
+        ("No devices were found", 0, False, "cpu"),  # the driver answers, with no GPU: status 0
+        ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1b2c3d4e-0000-0000-0000-000000000000)", 0, False,
+         "cuda"),
+        (NO_DRIVER, 9, False, "cpu"),
+        (GPU_LIST, 0, True, "keep"),
+    ],
+    ids=["no-devices", "h100", "no-driver", "torch-installed"],
+)  # fmt: skip
+def test_torch_choice_reads_the_gpu_list_not_the_exit_status(
+    tmp_path: Path, smi_output: str, smi_status: int, has_torch: bool, choice: str
+) -> None:
+    """``.ci/torch_choice`` with a fake ``nvidia-smi`` first on ``PATH`` and a fake Python whose
+    ``import torch`` fails (or works): ``nvidia-smi -L`` exits 0 with "No devices were found" on
+    a machine whose driver sees no GPU, so only a listed ``GPU N:`` line means a GPU."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _executable(
+        bin_dir / "nvidia-smi", f"#!/usr/bin/env bash\necho '{smi_output}'\nexit {smi_status}\n"
+    )
+    _executable(bin_dir / "python", f"#!/usr/bin/env bash\nexit {0 if has_torch else 1}\n")
+    done = subprocess.run(
+        ["bash", str(REPO / ".ci" / "torch_choice"), str(bin_dir / "python")],
+        env={**os.environ, "PATH": os.pathsep.join([str(bin_dir), os.environ["PATH"]])},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{choice}\n"
 
 
 def test_the_report_names_this_torch() -> None:

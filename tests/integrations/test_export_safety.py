@@ -96,6 +96,7 @@ def test_overwrite_refuses_an_export_a_user_added_files_to(tmp_path: Path) -> No
 
 
 def test_overwrite_replaces_an_export_or_an_empty_folder(tmp_path: Path) -> None:
+    pytest.importorskip("compressed_tensors")  # the compressed format's (an optional package)
     out = tmp_path / "out"
     export(tiny(0), out, format="compressed")
     first = contents(out)

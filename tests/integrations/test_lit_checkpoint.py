@@ -108,6 +108,8 @@ def test_a_checkpoint_outside_its_run_directory_reads_no_config(tmp_path: Path) 
         export(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
+    # The recipe's nested model is built by LightningCLI's instantiate_module: jsonargparse.
+    pytest.importorskip("jsonargparse")
     export(ckpt, tmp_path / "out", run_config=tmp_path / "config.yaml")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     idx = torch.randint(0, 96, (2, 12))

@@ -163,6 +163,7 @@ def test_sparse_params_are_logged_and_hooks_fire(tmp_path: Path) -> None:
 
 
 def test_lightning_cli_yaml_configures_callbacks(tmp_path: Path) -> None:
+    pytest.importorskip("jsonargparse")  # LightningCLI's (an optional package)
     from lightning.pytorch.cli import LightningCLI
 
     config = tmp_path / "config.yaml"
@@ -197,6 +198,7 @@ trainer:
 
 
 def test_lightning_cli_yaml_configures_a_group(tmp_path: Path) -> None:
+    pytest.importorskip("jsonargparse")  # LightningCLI's (an optional package)
     from lightning.pytorch.cli import LightningCLI
 
     config = tmp_path / "config.yaml"

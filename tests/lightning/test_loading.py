@@ -393,6 +393,7 @@ TINY = [
 def test_cli_checkpoint_loads_with_load_from_checkpoint_and_validate(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    pytest.importorskip("jsonargparse")  # the command's (an optional package)
     from lightning_sparse.app import cli
 
     monkeypatch.chdir(tmp_path)

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, nested_pytest_env
 
 PRETEND = {"LIGHTNING_SPARSE_PRETEND_CUDA": "1", "OMP_NUM_THREADS": "1"}
@@ -48,6 +50,7 @@ def test_every_process_a_test_starts_counts_the_pretended_gpu() -> None:
 def test_cpu_tests_pass_as_on_a_gpu_machine(tmp_path: Path) -> None:
     """A test that makes every warning an error, and one that runs the default recipe (which says
     ``accelerator: auto``) through the CLI and validates its checkpoint, both pinned to the CPU."""
+    pytest.importorskip("jsonargparse")  # the command's (an optional package)
     tests = [
         "tests/lightning/test_loading.py::test_ckpt_path_into_a_plain_module_without_the_callback"
         "[static-validate]",

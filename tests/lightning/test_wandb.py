@@ -16,9 +16,13 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
 from lightning_sparse import SET, Group, RigL, Static
-from lightning_sparse.app import compare, compare_runs
-from lightning_sparse.lightning.summary import SparseRunSummary
-from tests.helpers import TinyLM, token_loader, trainer
+
+# Optional packages (the GPU image has neither): W&B itself, and the command's jsonargparse.
+pytest.importorskip("wandb")
+pytest.importorskip("jsonargparse")
+from lightning_sparse.app import compare, compare_runs  # noqa: E402
+from lightning_sparse.lightning.summary import SparseRunSummary  # noqa: E402
+from tests.helpers import TinyLM, token_loader, trainer  # noqa: E402
 
 
 def wandb_records(path: Path) -> Iterator[Any]:

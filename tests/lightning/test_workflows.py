@@ -12,8 +12,6 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sparse import Static
-from lightning_sparse.app.cli import RECIPES_DIR
-from lightning_sparse.app.cli import run as cli_run
 from lightning_sparse.core.state_dict import checkpoint_masks
 from lightning_sparse.data import ByteTextDataModule
 from lightning_sparse.lightning import (
@@ -28,6 +26,7 @@ from lightning_sparse.lightning import (
 from lightning_sparse.models import LitCausalLM
 from tests.helpers import TinyLM, repeated_batch_loader, token_loader, trainer
 
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"  # this checkout's
 # cli.run(args) under pytest: LightningCLI notes that sys.argv holds pytest's own arguments.
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 
@@ -292,6 +291,9 @@ TINY_CLI = [
 
 
 def _cli(recipe: str, tmp_path: Path, *overrides: str):
+    pytest.importorskip("jsonargparse")  # the command's (an optional package)
+    from lightning_sparse.app.cli import run as cli_run
+
     args = ["fit", "--config", str(RECIPES_DIR / recipe), *TINY_CLI, *overrides]
     return cli_run([*args, f"--trainer.logger.init_args.save_dir={tmp_path}"])
 

@@ -160,6 +160,7 @@ def test_names_registered_for_python_and_yaml() -> None:
     trainer = pl.Trainer(accelerator="cpu", strategy="wse_ddp", devices=2, logger=False)
     assert isinstance(trainer.accelerator, WSEAccelerator)
     assert trainer.strategy.process_group_backend == "gloo"
+    pytest.importorskip("jsonargparse")  # LightningCLI's (an optional package)
     cli = LightningCLI(
         TinyLM,
         run=False,

@@ -11,7 +11,15 @@ A plain loop over the package's `Llama` (every linear weight of the blocks maske
 0.8, fused AdamW) runs a few steps, a mask update included, in fp32 and in bf16; then the bytes
 are counted. Goal (issue 32): at most 1 B, plus 1 B with ITOP, on both paths.
 
-    python benchmarks/bench_mask_memory.py [--dim 128] [--layers 2]
+Then the price, the host time of one pruning pass over as many tensors as the model masks
+(one thread, the best of 5 rounds of 200 calls), each of 64 elements so that the kernels' own
+time is negligible (on a GPU the kernels run asynchronously; the host time is what a
+launch-bound step pays): the compiled product the GPU's path runs (`fused_mask`, TorchDynamo's
+guards included), ``_foreach_mul_`` by the bool masks (on a GPU a launch per tensor), and the
+same by integer copies of the masks (the previous GPU path: one launch, 4 B per fp32 weight).
+On the CPU the compiled kernel is not used: it is slower than the CPU's own loop.
+
+    python benchmarks/bench_mask_memory.py [--dim 128] [--layers 4]
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,10 +76,38 @@ def measure(kind: str, dtype: torch.dtype, gpu_path: bool, dim: int, layers: int
     )
 
 
+def host_time(dim: int, layers: int) -> None:
+    """Microseconds of host time per pruning pass over the masked weights, three ways."""
+    from lightning_sparse.core.fused_mask import mul_by_masks_
+
+    torch.set_num_threads(1)
+    model = Llama(LlamaConfig(dim=dim, n_layers=layers, n_heads=4, max_seq_len=32))
+    count = sum(1 for name, p in model.named_parameters() if "layers." in name and p.ndim == 2)
+    g = torch.Generator().manual_seed(0)
+    views = [torch.randn(8, 8, generator=g).view(torch.int32) for _ in range(count)]
+    masks = [torch.rand(8, 8, generator=g) > 0.2 for _ in range(count)]
+    copies = [m.to(torch.int32) for m in masks]
+    ways = {
+        "compiled product (GPU path)": lambda: mul_by_masks_(views, masks),
+        "foreach by bool masks (CPU path)": lambda: torch._foreach_mul_(views, masks),
+        "foreach by integer copies (before)": lambda: torch._foreach_mul_(views, copies),
+    }
+    ways["compiled product (GPU path)"]()  # compile
+    print(f"\nhost time of one pruning pass over {count} tensors of 64 (us, best of 5 x 200):")
+    for name, way in ways.items():
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(200):
+                way()
+            best = min(best, (time.perf_counter() - start) / 200)
+        print(f"  {name:<36} {best * 1e6:>8.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args()
     print(machine_facts())
     print(f"Llama dim {args.dim}, {args.layers} blocks, sparsity 0.8, {STEPS} steps, fused AdamW")
@@ -80,6 +117,7 @@ def main() -> None:
         for dtype in (torch.float32, torch.bfloat16):
             for gpu_path in (False, True):
                 print(measure(kind, dtype, gpu_path, args.dim, args.layers))
+    host_time(args.dim, args.layers)
 
 
 if __name__ == "__main__":

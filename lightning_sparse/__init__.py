@@ -48,6 +48,7 @@ _LIGHTNING = (
     "SparsityCallback",
     "Static",
     "VariableSPDF",
+    "clip_gradients",
     "configure",
     "SparseLoadingMixin",
     "restore_checkpoint_masks",

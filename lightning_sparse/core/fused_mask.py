@@ -10,9 +10,8 @@ foreach product with each mask cast to its view's dtype becomes one fused in-pla
 reads the bool mask and writes the view, so the masks cost their bool bytes only.
 
 What it costs: one compilation per list of a new composition on the first step, cached on
-disk by TorchInductor for later runs. The tensors are flattened and their sizes compiled as
-symbols (``dynamic=True``), so a composition is the list's length, its dtypes and which sizes
-are equal; a step's lists are the same every step (the gradients, the weights, the optimizer
+disk by TorchInductor for later runs. The sizes are compiled as symbols (``dynamic=True``), so a
+composition is the list's length, its dtypes and ranks, and which sizes are equal; a step's lists are the same every step (the gradients, the weights, the optimizer
 state), so a run compiles a handful; a process that trains several models (a sweep, a test
 session) compiles a handful for each, so TorchDynamo's recompile limit is raised to
 `RECOMPILE_LIMIT` for this function while it runs (its default, 8, is per function). Past it,
@@ -22,9 +21,10 @@ product runs per tensor with the bool masks (`_per_tensor`): the same result, no
 a launch per tensor; a warning says so once. Under a ``TorchDispatchMode`` (the launch counter
 of ``benchmarks/step_ops.py``) TorchDynamo does not compile: the product then runs eagerly.
 
-The product is the custom op ``lightning_sparse::mul_by_masks_``, so a launch counter sees it
-as one op (one fused kernel on the GPU, one per chunk of about a hundred tensors) and a user's
-own ``torch.compile`` around a step treats it as opaque.
+The product is the op ``lightning_sparse::mul_by_masks_``, so a launch counter sees it as one
+op (one fused kernel on the GPU, one per chunk of about a hundred tensors). Host time per call: TorchDynamo's guards,
+about 2 us per tensor pair (`benchmarks/bench_mask_memory.py` reports the memory; docs/gpu.md
+the choice).
 """
 
 from __future__ import annotations
@@ -58,23 +58,14 @@ _compiled: Callable[..., Any] | None = None
 _broken = False  # compilation failed once in this process: the per-tensor product from now on
 
 
-@torch.library.custom_op("lightning_sparse::mul_by_masks_", mutates_args=("views",))
-def mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
-    """``views[i] *= masks[i]`` in place, in one fused kernel (module docstring).
-
-    Args:
-        views: integer tensors (the bit views of the tensors to prune), any shapes.
-        masks: bool tensors, ``masks[i]`` of ``views[i]``'s shape and device (True = kept).
-    """
+def _mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+    """``views[i] *= masks[i]`` in place, in one fused kernel (module docstring)."""
     global _compiled, _broken
     if _broken:
         _per_tensor(views, masks)
         return
     if _compiled is None:
         _compiled = torch.compile(_product, dynamic=True)
-    flat = [v.is_contiguous() for v in views]
-    views = [v.view(-1) if f else v for v, f in zip(views, flat, strict=True)]
-    masks = [m.reshape(-1) if f else m for m, f in zip(masks, flat, strict=True)]  # only read
     try:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             _compiled(views, masks)
@@ -87,3 +78,22 @@ def mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
             str(error).splitlines()[0] if str(error) else "",
         )
         _per_tensor(views, masks)
+
+
+# Registered with the low-level `torch.library` API: ``torch.library.custom_op`` costs about 75 us
+# more per call in Python (2-core Intel Xeon, 28 tensors), on a path that runs twice a step.
+_LIBRARY = torch.library.Library("lightning_sparse", "DEF")
+_LIBRARY.define("mul_by_masks_(Tensor(a!)[] views, Tensor[] masks) -> ()")
+_LIBRARY.impl("mul_by_masks_", _mul_by_masks_, "CompositeExplicitAutograd")
+_LIBRARY.impl("mul_by_masks_", lambda views, masks: None, "Meta")  # shapes do not change
+
+
+def mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+    """``views[i] *= masks[i]`` in place, in one fused kernel (module docstring): the op
+    ``lightning_sparse::mul_by_masks_``.
+
+    Args:
+        views: integer tensors (the bit views of the tensors to prune), any shapes.
+        masks: bool tensors, ``masks[i]`` of ``views[i]``'s shape and device (True = kept).
+    """
+    torch.ops.lightning_sparse.mul_by_masks_(views, masks)

@@ -17,6 +17,7 @@ from lightning_sparse.lightning.algorithms import (
 )
 from lightning_sparse.lightning.callback import SparsityCallback
 from lightning_sparse.lightning.checkpointing import AtomicCheckpointIO
+from lightning_sparse.lightning.clipping import clip_gradients
 from lightning_sparse.lightning.flop_counter import FlopCounter, FlopSegment
 from lightning_sparse.lightning.imp import IterativePruning, imp_sparsity, rewind_lr_scheduler
 from lightning_sparse.lightning.load_weights import LoadWeights, drop_mask_entries
@@ -45,6 +46,7 @@ __all__ = [
     "SparsityCallback",
     "Static",
     "VariableSPDF",
+    "clip_gradients",
     "configure",
     "drop_mask_entries",
     "imp_sparsity",

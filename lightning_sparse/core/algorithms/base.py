@@ -356,7 +356,8 @@ class SparsityAlgorithm(ABC):
             sp.remove_mask()
 
     def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
-        """Prune the attached parameters: from here this algorithm owns them."""
+        """Prune the attached parameters: from here this algorithm owns them. Their masks leave
+        DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
         self.root = root
         self.sparse_params.update((sp.name, sp) for sp in sps)
         with torch.no_grad():
@@ -367,7 +368,7 @@ class SparsityAlgorithm(ABC):
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
-        ddp_ignore.ignore_masks(root, self.name, sps)  # DDP broadcasts them no more
+        ddp_ignore.ignore_masks(root, self.name, sps)
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
 
     def settings(self) -> tuple[Any, ...]:

@@ -190,6 +190,31 @@ def gpus_hidden_from_workers() -> Iterator[None]:
                 os.environ[name] = value
 
 
+@contextmanager
+def broadcast_bytes() -> Iterator[list[int]]:
+    """Inside the block, count the bytes this process hands to
+    ``torch.distributed._broadcast_coalesced``, the collective through which DDP broadcasts
+    (torch 2.13: its sync at construction, and the buffers before each forward, ``_sync_buffers``).
+    Yields a one-element list: the running total."""
+    original = torch.distributed._broadcast_coalesced
+    sent = [0]
+
+    def counting(
+        process_group: torch.distributed.ProcessGroup,
+        tensors: list[torch.Tensor],
+        buffer_size: int,
+        src: int,
+    ) -> Any:
+        sent[0] += sum(t.numel() * t.element_size() for t in tensors)
+        return original(process_group, tensors, buffer_size, src)
+
+    torch.distributed._broadcast_coalesced = counting
+    try:
+        yield sent
+    finally:
+        torch.distributed._broadcast_coalesced = original
+
+
 def repo_pythonpath() -> str:
     """``PYTHONPATH`` for a subprocess that imports ``tests.*``: the repository root, then what
     the environment already holds (``LIGHTNING_SPARSE_PRETEND_CUDA`` puts its folder there)."""

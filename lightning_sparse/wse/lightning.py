@@ -35,8 +35,9 @@ remember:
 - an unsupported precision fails at ``Trainer(...)`` construction, not at fit time;
 - ``"wse_ddp"`` emulates a cluster of ``devices`` systems: data parallel over
   ``torch.distributed`` with the gloo backend, one process per system, each holding the same
-  masks (identical by construction, see docs/design.md), so DDP's per-forward buffer broadcast is
-  off by default (``broadcast_buffers=False``).
+  masks (identical by construction, see docs/design.md; DDP leaves them out of its broadcast,
+  `core.ddp_ignore`); DDP's per-forward broadcast of other buffers is off by default
+  (``broadcast_buffers=False``).
 
 ``Trainer(accelerator="wse", devices=N)`` with the default strategy works too (Lightning picks
 ``SingleDeviceStrategy`` or ``"ddp"``, gloo on the CPU); the named strategies are the explicit form.
@@ -361,8 +362,9 @@ class WSEDDPStrategy(_WSEPlugins, DDPStrategy):
 
     Args:
         kernel_path: as `WSEStrategy`.
-        broadcast_buffers: DDP's per-forward broadcast of buffers (the masks) from rank 0; off by
-            default because the masks are identical on every system by construction.
+        broadcast_buffers: DDP's per-forward broadcast of the model's buffers from rank 0 (the
+            masks, identical on every system by construction, are left out, `core.ddp_ignore`);
+            off by default.
         process_group_backend: must be "gloo" (or None, meaning gloo).
         **kwargs: as `DDPStrategy` (``accelerator``, ``parallel_devices``, ``start_method``,
             ``find_unused_parameters``, ...).

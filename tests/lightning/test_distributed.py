@@ -33,6 +33,7 @@ GLOBAL_BATCH = 16
 STEPS = 9  # updates at steps 2, 4, 6, 8; the last inside the last optimizer step
 KINDS = ("set", "rigl")
 TIMEOUT_S = 120
+SUFFIXES = ("_mask", "_ever_active")  # a weight's buffers, beside its name
 
 
 # ---------------------------------------------------------------------- shared by both sides
@@ -254,3 +255,16 @@ def test_lightning_ddp_masks_equal_across_ranks_and_single_process(
         # Some weight that was active at some point is pruned now: the masks moved.
         assert int(single["ever_active"][name].sum()) > int(mask.sum()), name
         assert int(mask.sum()) == int(0.25 * mask.numel()), name
+
+
+def test_lightning_ddp_broadcasts_no_mask(lightning_runs: list[dict[str, Any]]) -> None:
+    """The callback applied sparsity in ``setup``, before ``strategy="ddp"`` wrapped the
+    LightningModule, so DDP ignores every mask and ever-active buffer and, the Regressor having
+    no other buffer, broadcasts nothing per forward (before: 1 byte per mask and per ever-active
+    element, 2816 B per step here)."""
+    for rank in lightning_runs:
+        for kind in lightning_ddp.KINDS:
+            run = rank[kind]
+            expected = sorted(f"{name}{end}" for name in run["masks"] for end in SUFFIXES)
+            assert run["broadcast_per_step"] == 0, f"rank {rank[kind]['rank']} {kind}"
+            assert run["ddp_ignored"] == expected

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,11 +30,13 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_sparse import SET, RigL
+from tests.helpers import broadcast_bytes
 
 WORLD = 2
 GLOBAL_BATCH = 16
-# Updates at steps 2, 4 and 6: the last one runs inside the 7th (last) optimizer step, so no later
-# forward's buffer broadcast from rank 0 can overwrite a diverged rank-1 mask before it is saved.
+# Updates at steps 2, 4 and 6: the last one runs inside the 7th (last) optimizer step. DDP does not
+# broadcast the masks (`core.ddp_ignore`), so a rank-1 mask that diverged would show at any step;
+# were they broadcast again, a rank-1 mask diverged at the last update would still show.
 STEPS = 7
 KINDS = ("rigl", "set")
 
@@ -69,6 +72,29 @@ class Regressor(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class BroadcastCounter(pl.Callback):
+    """The bytes DDP broadcast from training start to teardown (`tests.helpers.broadcast_bytes`:
+    its buffers, before each forward) and the names it ignores (None without DDP)."""
+
+    def __init__(self) -> None:
+        self.ignored: list[str] | None = None
+        self._counting = ExitStack()
+        self._sent = [0]
+
+    @property
+    def sent(self) -> int:
+        """Bytes counted so far."""
+        return self._sent[0]
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        ignored = getattr(trainer.strategy.model, "parameters_to_ignore", None)
+        self.ignored = sorted(ignored) if ignored is not None else None
+        self._sent = self._counting.enter_context(broadcast_bytes())
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._counting.close()  # also after an exception: torch.distributed is restored
+
+
 def dataset() -> TensorDataset:
     """STEPS * GLOBAL_BATCH deterministic samples."""
     g = torch.Generator().manual_seed(1)
@@ -86,16 +112,18 @@ def train(kind: str, **trainer_kwargs: Any) -> tuple[dict[str, Any], pl.Trainer,
     (``trainer_kwargs`` pick the accelerator, devices and strategy).
 
     Returns the record every script saves (rank, world size, algorithm step, masks after every
-    update, final masks and weights) and the trainer, algorithm and module for further entries.
+    update, final masks and weights, the bytes DDP broadcast per step and the names it ignores)
+    and the trainer, algorithm and module for further entries.
     """
     algorithm = make_algorithm(kind)
     history: dict[int, dict[str, torch.Tensor]] = {}
     algorithm.register_update_hook(lambda a, step, stats: history.__setitem__(step, _masks(a)))
     module = Regressor()
+    counter = BroadcastCounter()
     trainer = pl.Trainer(
         **trainer_kwargs,
         max_steps=STEPS,
-        callbacks=[algorithm],
+        callbacks=[algorithm, counter],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -109,6 +137,8 @@ def train(kind: str, **trainer_kwargs: Any) -> tuple[dict[str, Any], pl.Trainer,
         "history": history,
         "masks": _masks(algorithm),
         "weights": {n: p.detach().clone() for n, p in module.named_parameters()},
+        "broadcast_per_step": counter.sent / STEPS,  # one forward per step
+        "ddp_ignored": counter.ignored,
     }
     return record, trainer, algorithm, module
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, held, report, validate
+from .. import applied, ddp_ignore, held, report, validate
 from ..apply_checks import check_candidates, check_mask, check_optimizer, check_shaper
 from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
@@ -379,7 +379,8 @@ class SparsityAlgorithm(ABC):
             sp.remove_mask()
 
     def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
-        """Prune the attached parameters: from here this algorithm owns them."""
+        """Prune the attached parameters: from here this algorithm owns them. Their masks leave
+        DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
         self.root = root
         self.sparse_params.update((sp.name, sp) for sp in sps)
         with torch.no_grad():
@@ -390,6 +391,7 @@ class SparsityAlgorithm(ABC):
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
+        ddp_ignore.ignore_masks(root, self.name, sps)
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
 
     def settings(self) -> tuple[Any, ...]:
@@ -703,6 +705,7 @@ class SparsityAlgorithm(ABC):
         for sp in self.sparse_params.values():
             sp.remove_mask()
         applied.forget(self.root, self)
+        ddp_ignore.restore_ignored(self.root, self.name)
         self.sparse_params.clear()
         self.removed = True
 

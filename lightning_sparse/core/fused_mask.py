@@ -10,9 +10,10 @@ foreach product with each mask cast to its view's dtype becomes one fused in-pla
 reads the bool mask and writes the view, so the masks cost their bool bytes only.
 
 What it costs: one compilation per list of a new composition on the first step, cached on
-disk by TorchInductor for later runs. The sizes are compiled as symbols (``dynamic=True``), so a
-composition is the list's length, its dtypes and ranks, and which sizes are equal; a step's lists are the same every step (the gradients, the weights, the optimizer
-state), so a run compiles a handful; a process that trains several models (a sweep, a test
+disk by TorchInductor for later runs. The sizes are compiled as symbols (``dynamic=True``), so
+a composition is the list's length, its dtypes and ranks, and which sizes are equal; a step's
+lists are the same every step (the gradients, the weights, the optimizer state), so a run
+compiles a handful; a process that trains several models (a sweep, a test
 session) compiles a handful for each, so TorchDynamo's recompile limit is raised to
 `RECOMPILE_LIMIT` for this function while it runs (its default, 8, is per function). Past it,
 TorchDynamo warns and the product runs eagerly: correct, with a transient integer copy of each
@@ -22,9 +23,9 @@ a launch per tensor; a warning says so once. Under a ``TorchDispatchMode`` (the 
 of ``benchmarks/step_ops.py``) TorchDynamo does not compile: the product then runs eagerly.
 
 The product is the op ``lightning_sparse::mul_by_masks_``, so a launch counter sees it as one
-op (one fused kernel on the GPU, one per chunk of about a hundred tensors). Host time per call: TorchDynamo's guards,
-about 2 us per tensor pair (`benchmarks/bench_mask_memory.py` reports the memory; docs/gpu.md
-the choice).
+op (one fused kernel on the GPU, one per chunk of about a hundred tensors). Host time per call:
+TorchDynamo's guards, a few microseconds per tensor (`benchmarks/bench_mask_memory.py` measures
+it and the memory; docs/gpu.md says why this way).
 """
 
 from __future__ import annotations

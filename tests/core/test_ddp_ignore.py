@@ -135,9 +135,11 @@ def _train(
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     with broadcast_bytes() as sent:
         for step in range(STEPS):
-            if rebind and step == 3:  # registered again, as a load or `to_empty` does: same name
+            if rebind and step == 3:  # registered again, as `to_empty` then a state load do
+                saved = sparsity.state_dict()
                 for sp in sparsity.sparse_params.values():
-                    sp.register_mask(sp.mask.clone())
+                    sp.register_mask(torch.empty_like(sp.mask))
+                sparsity.load_state_dict(saved)
             loss = net(torch.randn(8, 8, generator=g, dtype=torch.float64)).square().mean()
             optimizer.zero_grad()
             loss.backward()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sparse.app.run_dirs import RUN_ENV
+from lightning_sparse.app.common import RUN_ENV
 from lightning_sparse.app.threads import ENV as THREADS_ENV
 from lightning_sparse.app.threads import busy_cores, choose_threads
 

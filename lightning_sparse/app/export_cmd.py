@@ -19,7 +19,7 @@ import argparse
 import sys
 from typing import NoReturn
 
-from lightning_sparse.integrations.export import FORMATS, export
+from lightning_sparse.integrations.choices import EXPORT_FORMATS
 
 __all__ = ["main"]
 
@@ -41,7 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by fit (.ckpt)")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
-        "--format", choices=FORMATS, default="hf", help="hf (dense) or compressed (%(default)s)"
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="hf",
+        help="hf (dense) or compressed (%(default)s)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory to copy along")
     parser.add_argument(
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(args: list[str]) -> None:
     """Parse ``args`` (after ``export``) and export; errors exit with one line."""
     options = _parser().parse_args(args)
+    from lightning_sparse.integrations.export import export  # torch: only when it runs
+
     _quiet_transformers()
     try:
         out = export(

@@ -24,6 +24,7 @@ full), and a run stopped by SIGTERM (exit status 143, naming its last checkpoint
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -37,7 +38,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse" for recipes)
-from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG, SUBCOMMAND_HELP, SUBCOMMANDS
+from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG
 from lightning_sparse.app.errors import (
     EXIT_FAILED,
     EXIT_SIGTERM,
@@ -58,7 +59,15 @@ from lightning_sparse.recipes import RECIPES_DIR
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
-__all__ = ["DEFAULT_RECIPE", "SparseCLI", "build_args", "last_checkpoint", "main", "run"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "SparseCLI",
+    "build_args",
+    "last_checkpoint",
+    "main",
+    "run",
+    "subcommand_of",
+]
 
 DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
 
@@ -74,25 +83,27 @@ class _Parser(LightningArgumentParser):
 class SparseCLI(LightningCLI):
     """LightningCLI with any LightningModule / LightningDataModule (``class_path`` in the recipe),
     a `SparseRunSummary` on every run (configured under ``summary:``) and one directory per run
-    (`plan_run_dir`)."""
+    (`plan_run_dir`).
+
+    Args:
+        subcommand: build only this subcommand's parser (``fit``, ...); default: all four. Each
+            is a full signature walk of the Trainer, model and data classes, so the command,
+            which knows its subcommand from the command line (`subcommand_of`), builds one.
+        *args, **kwargs: LightningCLI's.
+    """
 
     run_dir: RunDir | None = None
 
+    def __init__(self, *args: Any, subcommand: str | None = None, **kwargs: Any) -> None:
+        self._only = subcommand
+        super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # (static there)
+        every = LightningCLI.subcommands()
+        return every if self._only is None else {self._only: every[self._only]}
+
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(SparseRunSummary, "summary")
-
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # One line per subcommand in --help, the other subcommands included (the entry point
-        # dispatches them before LightningCLI; these entries only document them).
-        super()._add_subcommands(parser, **kwargs)
-        action = parser._subcommands_action
-        if action is None:  # LightningCLI's _add_subcommands has just made it
-            raise RuntimeError("LightningCLI added no subcommands to its parser")
-        for subcommand in SUBCOMMANDS:
-            if not subcommand.lightning:
-                action.add_subcommand(subcommand.name, self.parser_class(), help=subcommand.help)
-        for choice in action._choices_actions:
-            choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -177,13 +188,26 @@ def last_checkpoint(trainer: pl.Trainer) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
+def subcommand_of(args: list[str]) -> str | None:
+    """The LightningCLI subcommand ``args`` names: the first word, or the word after
+    LightningCLI's own leading options (``-c all.yaml fit``, a config with a ``fit:`` key);
+    ``None`` when there is none (no words, or options only)."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += 2 if args[i] in ("-c", "--config") else 1
+    return args[i] if i < len(args) and args[i] in LIGHTNING_SUBCOMMANDS else None
+
+
 def build_args(args: list[str]) -> list[str]:
-    """The LightningCLI argument list: ``fit`` when empty; the default recipe when no config.
+    """The LightningCLI argument list: ``fit`` when no subcommand is named (no arguments, or
+    options only: they are fit's); the default recipe when no config.
 
     Raises:
         FileNotFoundError: the default recipe is needed but missing (not a source checkout).
     """
-    args = list(args) or ["fit"]
+    args = list(args)
+    if subcommand_of(args) is None:
+        args.insert(0, "fit")
     has_config = any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
     if args[0] in LIGHTNING_SUBCOMMANDS and not has_config:
         if not DEFAULT_RECIPE.is_file():
@@ -197,14 +221,17 @@ def build_args(args: list[str]) -> list[str]:
 
 def run(args: list[str]) -> SparseCLI:
     """Run a LightningCLI subcommand (after `build_args`) and return the CLI object."""
-    subcommand_kwargs: dict[str, Any] = {
-        name: {"allow_abbrev": False} for name in LIGHTNING_SUBCOMMANDS
-    }
-    subcommand_kwargs["fit"]["description"] = (
-        "Train. Without --config: the default recipe, recipes/rigl_llama.yaml (installed at "
-        f"{DEFAULT_RECIPE}). Each run writes to its own <logger save_dir>/version_N; "
-        "--ckpt_path last resumes the latest run."
-    )
+    args = build_args(args)
+    subcommand = subcommand_of(args)
+    if subcommand is None:  # build_args has named one
+        raise RuntimeError(f"no LightningCLI subcommand in {args}")
+    subcommand_kwargs: dict[str, Any] = {"allow_abbrev": False}
+    if subcommand == "fit":
+        subcommand_kwargs["description"] = (
+            "Train. Without --config: the default recipe, recipes/rigl_llama.yaml (installed at "
+            f"{DEFAULT_RECIPE}). Each run writes to its own <logger save_dir>/version_N; "
+            "--ckpt_path last resumes the latest run."
+        )
     saved_run_env = os.environ.get(RUN_ENV)
     outer_wandb_run = active_wandb_run()
     # No base classes: model and data are any LightningModule / LightningDataModule named by
@@ -214,10 +241,11 @@ def run(args: list[str]) -> SparseCLI:
             # We pass the (possibly completed) command line as `args` on purpose.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             return SparseCLI(
-                args=build_args(args),
+                args=args,
+                subcommand=subcommand,
                 parser_class=_Parser,
                 save_config_kwargs={"overwrite": True},
-                parser_kwargs={"prog": PROG, "allow_abbrev": False, **subcommand_kwargs},
+                parser_kwargs={"prog": PROG, "allow_abbrev": False, subcommand: subcommand_kwargs},
             )
     finally:
         if saved_run_env is None:
@@ -231,6 +259,13 @@ def run(args: list[str]) -> SparseCLI:
             wandb_run.finish()
 
 
+def _only_prints(args: list[str]) -> bool:
+    """Whether ``args`` only print something (help, ``--print_config``) and run nothing."""
+    return any(
+        re.fullmatch(r"-h|--help|--[\w.]+\.help(=.*)?|--print_config(=.*)?", a) for a in args
+    )
+
+
 def main(args: list[str]) -> None:
     """``lightning-sparse [fit|validate|test|predict] ...``: ``args`` is the whole command line
     after ``lightning-sparse`` (the subcommand's name included). Checks the ``--config`` files,
@@ -241,8 +276,8 @@ def main(args: list[str]) -> None:
             run stopped by SIGTERM (see the module docstring).
     """
     check_config_files(args)
-    if args[:1] in ([], *([name] for name in LIGHTNING_SUBCOMMANDS)) and "--help" not in args:
-        print(set_threads(), flush=True)  # idle cores only: two threads thrash beside a busy one
+    if not _only_prints(args):  # idle cores only: two threads thrash beside a busy one
+        print(set_threads(), file=sys.stderr, flush=True)  # stdout: --print_config's YAML
     try:
         run(args)
     except OSError as err:  # a directory or checkpoint that cannot be written, a full disk

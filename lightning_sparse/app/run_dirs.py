@@ -20,15 +20,11 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
-from lightning_sparse.app.common import as_list, class_of
+from lightning_sparse.app.common import RUN_ENV, as_list, class_of
 from lightning_sparse.app.errors import EXIT_FAILED, CLIError, describe_os_error
 from lightning_sparse.lightning.checkpointing import remove_stale_temporaries
 
 __all__ = ["RUN_ENV", "RunDir", "plan_run_dir", "reserve"]
-
-# The run directory chosen by the launching process, for the DDP workers Lightning starts (they
-# parse the same command line and must not pick the next version_N).
-RUN_ENV = "LIGHTNING_SPARSE_RUN"
 
 
 @dataclass(frozen=True)

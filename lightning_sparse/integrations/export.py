@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.integrations import export_dir
+from lightning_sparse.integrations.choices import EXPORT_FORMATS
 from lightning_sparse.integrations.lit_checkpoint import load_lit_checkpoint
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "export", "load_lit_checkpoint"]
 
-FORMATS = ("hf", "compressed")
+FORMATS = EXPORT_FORMATS
 _MODEL_FILES = {
     "config.json",
     "generation_config.json",

@@ -28,9 +28,10 @@ import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import lightning.pytorch as pl
+from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
@@ -46,7 +47,12 @@ from lightning_sparse.app.errors import (
     describe_os_error,
     note_key,
 )
-from lightning_sparse.app.preflight import check_ckpt_path, check_config_files
+from lightning_sparse.app.parse_errors import shorten
+from lightning_sparse.app.preflight import (
+    check_checkpoint_file,
+    check_ckpt_path,
+    check_config_files,
+)
 from lightning_sparse.app.quiet import plain_model_summary
 from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
 from lightning_sparse.app.tensor_cores import use_tensor_cores
@@ -73,11 +79,30 @@ DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
 
 
 class _Parser(LightningArgumentParser):
-    """A parse error prints a one-line usage (the full one is ~50 lines of options)."""
+    """A parse error prints a one-line usage (the full one is ~50 lines of options) and one line
+    for the error, with the closest name where there is one (`parse_errors.shorten`)."""
 
     def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         prog = self.prog.replace(" [options]", "")
         (file or sys.stderr).write(f"usage: {prog} [options] (all options: {prog} --help)\n")
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # a class's own parser: its message goes into the outer one
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        usage = parser.prog.replace(" [options]", "")
+        super().error(shorten(message, _option_names(parser), usage), ex)
+
+
+def _option_names(parser: ArgumentParser) -> list[str]:
+    """Every key (``trainer.max_steps``) and option string (``--trainer.max_steps``) of
+    ``parser`` and of its subcommands' parsers."""
+    names: list[str] = []
+    for action in parser._actions:
+        names += [action.dest, *action.option_strings]
+        for sub in (getattr(action, "_name_parser_map", None) or {}).values():
+            names += _option_names(sub)
+    return names
 
 
 class SparseCLI(LightningCLI):
@@ -105,9 +130,18 @@ class SparseCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(SparseRunSummary, "summary")
 
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyper-parameters here, before any check of ours:
+        # a path that is no file, or a file that is no checkpoint, is refused first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        check_ckpt_path(ckpt_path, subcommand)
+        if ckpt_path and Path(ckpt_path).is_file():
+            check_checkpoint_file(str(ckpt_path))
+        super()._parse_ckpt_path()
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_ckpt_path(config.get("ckpt_path"), self.subcommand)
         set_wandb_mode(config)
         # config.yaml keeps the configuration as given: run again from it, it makes a new run.
         self._config_as_given = config.clone()

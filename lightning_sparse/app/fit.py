@@ -40,6 +40,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse" for recipes)
 from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG
+from lightning_sparse.app.config_edits import edit_for_run
 from lightning_sparse.app.errors import (
     EXIT_FAILED,
     EXIT_SIGTERM,
@@ -47,12 +48,14 @@ from lightning_sparse.app.errors import (
     describe_os_error,
     note_key,
 )
+from lightning_sparse.app.evaluation import PredictionWriter, write_results
 from lightning_sparse.app.parse_errors import shorten
 from lightning_sparse.app.preflight import (
     check_checkpoint_file,
     check_ckpt_path,
     check_config_files,
 )
+from lightning_sparse.app.progress import step_progress_bar
 from lightning_sparse.app.quiet import plain_model_summary
 from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
 from lightning_sparse.app.tensor_cores import use_tensor_cores
@@ -121,7 +124,16 @@ class SparseCLI(LightningCLI):
 
     def __init__(self, *args: Any, subcommand: str | None = None, **kwargs: Any) -> None:
         self._only = subcommand
-        super().__init__(*args, **kwargs)
+        command_line = kwargs.get("args")
+        self._logger_asked = isinstance(command_line, list) and any(
+            str(a).startswith("--trainer.logger") for a in command_line
+        )
+        try:
+            super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        except BaseException:
+            if self.run_dir is not None:
+                self.run_dir.release()  # a failed run leaves no version_N with nothing in it
+            raise
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # (static there)
         every = LightningCLI.subcommands()
@@ -142,9 +154,11 @@ class SparseCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        set_wandb_mode(config)
         # config.yaml keeps the configuration as given: run again from it, it makes a new run.
         self._config_as_given = config.clone()
+        for line in edit_for_run(config, self.subcommand, self._logger_asked):
+            rank_zero_info(line)
+        set_wandb_mode(config)
         worker = os.environ.get(RUN_ENV)
         self.run_dir = plan_run_dir(config, self.subcommand, worker)
         if self.run_dir is not None:
@@ -159,21 +173,21 @@ class SparseCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except BaseException as err:
-            if self.run_dir is not None:
-                self.run_dir.release()  # nothing ran: no empty version_N is left behind
-            if isinstance(err, ValueError | TypeError):
-                note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
+        except (ValueError, TypeError) as err:
+            note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
         # Trainer.callbacks (and log_every_n_steps, datamodule) are set by Lightning's connectors,
         # undeclared on the class: mypy finds no such attribute.
         plain_model_summary(self.trainer.callbacks)  # type: ignore[attr-defined]
+        step_progress_bar(self.trainer.callbacks)  # type: ignore[attr-defined]
         use_tensor_cores(self.trainer.accelerator)  # before Lightning's advice to do so
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
             for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, SaveConfigCallback):
                     callback.config = self._config_as_given
+            if self.subcommand == "predict":
+                self.trainer.callbacks.append(PredictionWriter(self.run_dir.path))  # type: ignore[attr-defined]
         for logger in self.trainer.loggers:
             if logger.save_dir:  # W&B looks for a git repository there and warns if it is missing
                 Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
@@ -205,6 +219,18 @@ class SparseCLI(LightningCLI):
                 f"finished (exit status {EXIT_SIGTERM}); {where}",
                 EXIT_SIGTERM,
             ) from stop
+
+    # LightningCLI runs ``self.<subcommand>`` where it exists, else ``trainer.<subcommand>``.
+    def validate(self, **kwargs: Any) -> None:
+        self._save_results("validate", self.trainer.validate(**kwargs), kwargs.get("ckpt_path"))
+
+    def test(self, **kwargs: Any) -> None:
+        self._save_results("test", self.trainer.test(**kwargs), kwargs.get("ckpt_path"))
+
+    def _save_results(self, subcommand: str, metrics: Any, ckpt_path: str | None) -> None:
+        if self.run_dir is not None and self.trainer.is_global_zero:
+            path = write_results(self.run_dir.path, subcommand, ckpt_path, metrics)
+            print(f"{PROG}: {subcommand} results saved to {path}", flush=True)
 
 
 def last_checkpoint(trainer: pl.Trainer) -> Path | None:

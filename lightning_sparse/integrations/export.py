@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lightning_sparse.core.file_modes import give_default_mode
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.integrations import export_dir
 from lightning_sparse.integrations.choices import EXPORT_FORMATS
@@ -145,6 +146,8 @@ def _write(
         compress_directory(path)
     if tokenizer is not None:
         shutil.copytree(tokenizer, path, dirs_exist_ok=True)
+    for file in path.rglob("*"):  # safetensors writes through mkstemp: 0o600, not the umask's
+        give_default_mode(file)
     export_dir.write_marker(path, fmt)  # last: a directory without it is not an export
 
 

@@ -16,6 +16,7 @@ a full disk, a bad option) is one line on stderr naming the file and the fix, an
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
@@ -84,9 +85,27 @@ def main(args: list[str]) -> None:
             trust_file=options.trust_file,
         )
     except (ValueError, OSError, ModuleNotFoundError) as err:
-        print(f"{_PROG}: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"{_PROG}: {_as_flags(' '.join(str(err).split()))}", file=sys.stderr)
         sys.exit(1)
     print(f"{_PROG}: wrote {out} ({options.format})")
+
+
+# The library's messages name `export`'s keyword arguments; the command's user types flags.
+_FLAGS = {
+    "trust_file=True (CLI: --trust-file)": "--trust-file",
+    "overwrite=True": "--overwrite",
+    "trust_file=True": "--trust-file",
+    "output=": "--output ",
+    "tokenizer=": "--tokenizer ",
+    "run_config=": "--run_config ",
+}
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with `export`'s argument names replaced by this command's flags."""
+    for argument, flag in _FLAGS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(argument)}", flag, message)
+    return message
 
 
 def _quiet_transformers() -> None:

@@ -210,7 +210,8 @@ def test_abbreviated_options_are_refused(capsys: pytest.CaptureFixture) -> None:
         cli.main(["fit", "--trainer.max_step", "10"])
     assert info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert "error: unrecognized arguments: --trainer.max_step 10" in lines
+    expected = "error: unrecognized arguments: --trainer.max_step 10; did you mean "
+    assert expected + "'--trainer.max_steps'?" in lines
     assert len(lines) <= 4  # a one-line usage, not the ~50 lines of every option
     for main, args in (
         (compare.main, ["--step", "3"]),

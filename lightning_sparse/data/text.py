@@ -227,7 +227,7 @@ class ByteTextDataModule(L.LightningDataModule):
         window = hp.seq_len + 1
         self.train_data = read_bytes(train_files, hp.max_bytes)
         # The held-out files are read only as far as the validation and test windows need.
-        held_out = read_bytes(val_files, (hp.val_windows + hp.test_windows) * hp.seq_len + 1)
+        held_out = read_bytes(val_files, self.held_out_size())
         self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
@@ -235,6 +235,11 @@ class ByteTextDataModule(L.LightningDataModule):
                     f"the {split} corpus has {len(data)} bytes, fewer than one window of "
                     f"seq_len + 1 = {window}; add text or lower seq_len"
                 )
+
+    def held_out_size(self) -> int:
+        """Tokens of the held-out files the validation, test and predict windows use."""
+        hp = self.hparams
+        return (hp.val_windows + max(hp.test_windows, hp.predict_prompts)) * hp.seq_len + 1
 
     def held_out_splits(self, held_out: Tensor) -> tuple[Tensor, Tensor]:
         """(validation, test) of the held-out tokens: the validation windows' tokens first (the

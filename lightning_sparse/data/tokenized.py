@@ -209,10 +209,8 @@ class TokenizedTextDataModule(ByteTextDataModule):
         self._train_texts = None  # the ids are kept; the text is not needed any more
         # The held-out files are tokenized only until the validation and test windows are filled.
         val_files = self.split_files()[1]
-        limit = (hp.val_windows + hp.test_windows) * hp.seq_len + 1
-        self.val_data, self.test_data = self.held_out_splits(
-            self.token_ids(read_texts(val_files), limit)
-        )
+        held_out = self.token_ids(read_texts(val_files), self.held_out_size())
+        self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
                 raise ValueError(

@@ -69,8 +69,8 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("fit", "fit", "train (default; no --config: recipes/rigl_llama.yaml)", True),
     Subcommand("validate", "fit", "one validation epoch (a checkpoint: --ckpt_path)", True),
-    Subcommand("test", "fit", "one test epoch (a checkpoint: --ckpt_path)", True),
-    Subcommand("predict", "fit", "predictions over the predict dataloader", True),
+    Subcommand("test", "fit", "loss on the held-out test split (a checkpoint: --ckpt_path)", True),
+    Subcommand("predict", "fit", "continue test prompts -> predictions.jsonl (--ckpt_path)", True),
     Subcommand("compare", "compare", "train recipes in turn; table and plot (compare --help)"),
     Subcommand("sweep", "sweep", "run a W&B sweep config locally (sweep --help)"),
     Subcommand("export", "export_cmd", "checkpoint -> Hugging Face directory (export --help)"),

@@ -7,18 +7,24 @@ layers. Any recipe, or any LightningCLI option, can be given on the command line
     lightning-sparse fit                                   # the default recipe
     lightning-sparse fit --config recipes/static_llama.yaml --trainer.max_steps 50
     lightning-sparse fit --ckpt_path last                  # resume the recipe's latest run
+    lightning-sparse test --ckpt_path last                 # evaluate it on the test split
 
 Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory
-(`lightning_sparse.app.run_dirs`); on a CUDA GPU, TF32 matmuls
-(`lightning_sparse.app.tensor_cores`). Model and data are any LightningModule /
-LightningDataModule named by ``class_path``.
+(`lightning_sparse.app.run_dirs`; ``validate`` / ``test`` / ``predict`` a folder inside the run
+they evaluate, with ``results.json`` or ``predictions.jsonl``: `lightning_sparse.app.evaluation`);
+on a CUDA GPU, TF32 matmuls (`lightning_sparse.app.tensor_cores`). Before the objects are built
+the configuration is adjusted to the flags given (`lightning_sparse.app.config_edits`: no
+logger, ``fast_dev_run``, evaluations without W&B). Model and data are any LightningModule /
+LightningDataModule named by ``class_path``. Only the subcommand on the command line gets a
+parser (`subcommand_of`).
 
 What a user can fix ends the command with one line and a non-zero exit status
 (`lightning_sparse.app.errors.CLIError`): a ``--config`` file that is missing or not a YAML
-mapping and a ``--ckpt_path`` that names no file (`lightning_sparse.app.preflight`, before
-anything is built), a run directory or checkpoint that cannot be written (no permission, disk
-full), and a run stopped by SIGTERM (exit status 143, naming its last checkpoint, so that
-``fit && next-stage`` stops too).
+mapping and a ``--ckpt_path`` that names no file or a file that is not a checkpoint
+(`lightning_sparse.app.preflight`, before anything is built), a run directory or checkpoint that
+cannot be written (no permission, disk full), and a run stopped by SIGTERM (exit status 143,
+naming its last checkpoint, so that ``fit && next-stage`` stops too). A parse error is one line
+with the closest name (`lightning_sparse.app.parse_errors`).
 """
 
 from __future__ import annotations
@@ -125,8 +131,8 @@ class SparseCLI(LightningCLI):
     def __init__(self, *args: Any, subcommand: str | None = None, **kwargs: Any) -> None:
         self._only = subcommand
         command_line = kwargs.get("args")
-        self._logger_asked = isinstance(command_line, list) and any(
-            str(a).startswith("--trainer.logger") for a in command_line
+        self._logger_asked = isinstance(command_line, list) and any(  # the class, by name
+            a == "--trainer.logger" or str(a).startswith("--trainer.logger=") for a in command_line
         )
         try:
             super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand

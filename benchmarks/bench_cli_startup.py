@@ -17,15 +17,15 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
+
+from _harness import machine_facts  # this process's imports do not count: each run is a new one
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_S = 3.0
@@ -64,25 +64,10 @@ def _pythonpath() -> str:
 
 
 def machine() -> str:
-    """CPU, cores, load and versions (read without importing torch or lightning)."""
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
-    versions = ", ".join(
-        f"{name} {_version(name)}"
-        for name in ("torch", "lightning", "jsonargparse", "wandb", "transformers")
-    )
-    return (
-        f"date {datetime.datetime.now().isoformat(timespec='seconds')}; CPU {cpu!r}, {cores} "
-        f"cores visible; load average {load}\npython {platform.python_version()}, {versions}"
-    )
+    """`_harness.machine_facts` (CPU, cores, load, torch and lightning versions) and the versions
+    of what start-up imports besides."""
+    versions = ", ".join(f"{n} {_version(n)}" for n in ("jsonargparse", "wandb", "transformers"))
+    return f"{machine_facts()}\n{versions}"
 
 
 def _version(name: str) -> str:

@@ -54,7 +54,7 @@ class RunDir:
     continues: bool = True  # fit continues in the resumed run's directory
     reserved: bool = False  # this process created ``path`` (`reserve`)
     prefix: str = "version"
-    origin: Path | None = None  # the root it was planned from (a DDP worker checks it); root
+    origin: Path | None = None  # the root it was planned from (DDP workers match it); default root
 
     @property
     def path(self) -> Path:

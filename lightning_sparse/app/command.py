@@ -5,14 +5,21 @@ Lightning's and W&B's advice that does not apply here filtered out (`quiet`); a 
 error exits with a few lines naming the key (`lightning_sparse.app.errors`), or, with ``--debug``
 anywhere or ``LIGHTNING_SPARSE_DEBUG=1``, raises with its traceback. The entry point
 (`lightning_sparse.app.cli.main`) and a sweep's in-process points (`lightning_sparse.app.sweep`)
-both run commands through here.
+both run commands through here. ``lightning-sparse --help`` is answered here, from the table
+of subcommands, without loading torch or Lightning.
 """
 
 from __future__ import annotations
 
 import sys
 
-from lightning_sparse.app.common import PROG, split_debug, subcommand_for, subcommands_epilog
+from lightning_sparse.app.common import (
+    PROG,
+    split_debug,
+    subcommand_for,
+    subcommands_epilog,
+    top_level_help,
+)
 from lightning_sparse.app.errors import run_or_exit
 from lightning_sparse.app.quiet import quiet
 
@@ -26,6 +33,9 @@ def run_command(args: list[str]) -> None:
         SystemExit: an unknown subcommand, a parse error, a configuration error (a few lines).
     """
     args, debug = split_debug(list(args))
+    if args in (["--help"], ["-h"]):
+        print(top_level_help())
+        return
     subcommand = subcommand_for(args)
     if subcommand is None:
         sys.exit(f"{PROG}: unknown subcommand {args[0]!r}; {subcommands_epilog()}")

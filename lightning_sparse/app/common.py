@@ -1,10 +1,14 @@
-"""What every `lightning-sparse` subcommand shares: the table of subcommands, the ``--debug``
-option, and reading the class entries of a LightningCLI configuration.
+"""What every `lightning-sparse` subcommand shares: the table of subcommands (and the
+``lightning-sparse --help`` made from it), the ``--debug`` option, and reading the class entries
+of a LightningCLI configuration.
 
 Adding a subcommand: write ``lightning_sparse/app/<module>.py`` with ``main(args: list[str])``
 (``args``: the command line after the subcommand's name) and add one `Subcommand` line to
 `SUBCOMMANDS`. The entry point (`lightning_sparse.app.cli`) dispatches to it, and ``--help`` and
 the unknown-subcommand message list it.
+
+This module imports neither torch nor Lightning: ``lightning-sparse --help`` is answered from it
+alone (`top_level_help`), and each subcommand loads what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ __all__ = [
     "DEBUG_ENV",
     "LIGHTNING_SUBCOMMANDS",
     "PROG",
+    "RUN_ENV",
     "SUBCOMMANDS",
     "SUBCOMMAND_HELP",
     "Subcommand",
@@ -30,10 +35,15 @@ __all__ = [
     "split_debug",
     "subcommand_for",
     "subcommands_epilog",
+    "top_level_help",
 ]
 
 PROG = "lightning-sparse"
 DEBUG_ENV = "LIGHTNING_SPARSE_DEBUG"
+# The run directory chosen by the launching process, for the DDP workers Lightning starts (they
+# parse the same command line and must not pick the next version_N; `run_dirs`). Here, not in
+# `run_dirs`, so that `compare` and `sweep` read it without loading Lightning.
+RUN_ENV = "LIGHTNING_SPARSE_RUN"
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,8 @@ class Subcommand:
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("fit", "fit", "train (default; no --config: recipes/rigl_llama.yaml)", True),
     Subcommand("validate", "fit", "one validation epoch (a checkpoint: --ckpt_path)", True),
-    Subcommand("test", "fit", "one test epoch (a checkpoint: --ckpt_path)", True),
-    Subcommand("predict", "fit", "predictions over the predict dataloader", True),
+    Subcommand("test", "fit", "loss on the held-out test split (a checkpoint: --ckpt_path)", True),
+    Subcommand("predict", "fit", "continue test prompts -> predictions.jsonl (--ckpt_path)", True),
     Subcommand("compare", "compare", "train recipes in turn; table and plot (compare --help)"),
     Subcommand("sweep", "sweep", "run a W&B sweep config locally (sweep --help)"),
     Subcommand("export", "export_cmd", "checkpoint -> Hugging Face directory (export --help)"),
@@ -87,6 +97,30 @@ def subcommands_epilog() -> str:
         if not s.lightning
     )
     return f"subcommands: {lightning} (LightningCLI; fit is the default), {others}"
+
+
+def top_level_help() -> str:
+    """``lightning-sparse --help``: the subcommands, one line each, and the options every one
+    takes (a subcommand's own: ``lightning-sparse <subcommand> --help``)."""
+    width = max(len(s.name) for s in SUBCOMMANDS) + 4
+    rows = [f"  {s.name:<{width}}{s.help}" for s in SUBCOMMANDS]
+    return "\n".join(
+        [
+            f"usage: {PROG} [subcommand] [options]",
+            "",
+            "Train, evaluate, compare and export models with unstructured weight sparsity.",
+            "",
+            "subcommands:",
+            *rows,
+            "",
+            "options:",
+            f"  {'-h, --help':<{width}}this message; {PROG} <subcommand> --help: its options",
+            f"  {'--debug':<{width}}a failure's full traceback ({DEBUG_ENV}=1 does the same)",
+            "",
+            f"Without a subcommand the options are fit's: {PROG} --config recipes/set_llama.yaml",
+            f"trains that recipe, {PROG} alone the default one.",
+        ]
+    )
 
 
 def split_debug(args: list[str]) -> tuple[list[str], bool]:

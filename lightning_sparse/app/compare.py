@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-sparse compare",
         allow_abbrev=False,
-        description="Train several recipes with N seeds each; print a table with 95%% "
+        description="Train several recipes with N seeds each; print a table with 95% "
         "intervals and plot the validation loss with bands.",
         epilog="Arguments after `--` are passed to every run (e.g. -- --model.dim 64).",
     )

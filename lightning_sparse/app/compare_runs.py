@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sparse.app.run_dirs import RUN_ENV
+from lightning_sparse.app.common import RUN_ENV
 from lightning_sparse.app.threads import ENV as THREADS_ENV
 from lightning_sparse.app.threads import busy_cores, choose_threads
 
-__all__ = ["Run", "default_jobs", "fit_command", "plan_runs", "run_all"]
+__all__ = ["Run", "default_jobs", "fit_command", "plan_runs", "run_all", "run_threads"]
 
 
 @dataclass
@@ -128,6 +128,17 @@ def available_cores() -> int:
 def default_jobs(pending: int) -> int:
     """One process per idle core (at least one), at most ``pending``."""
     return max(1, min(pending, choose_threads(available_cores(), busy_cores())))
+
+
+def run_threads(jobs: int) -> tuple[int, str]:
+    """Torch threads per run and why: ``LIGHTNING_SPARSE_THREADS`` or ``OMP_NUM_THREADS`` when
+    set (`child_env` passes them on unchanged), else the cores shared by the ``jobs`` runs."""
+    for name in (THREADS_ENV, "OMP_NUM_THREADS"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            return int(value), f"{name}={value}"
+    cores = available_cores()
+    return max(1, cores // jobs), f"{cores} core(s) / {jobs}"
 
 
 def child_env(method: str, seed: int, threads: int) -> dict[str, str]:
@@ -224,10 +235,10 @@ def run_all(runs: list[Run], jobs: int | None = None, force: bool = False) -> li
     if not pending:
         return []
     jobs = default_jobs(len(pending)) if jobs is None else max(1, min(jobs, len(pending)))
-    threads = max(1, available_cores() // jobs)
+    threads, why = run_threads(jobs)
     print(
         f"compare: {len(pending)} run(s) to train, {jobs} at a time, {threads} torch thread(s) "
-        f"each; each run's output goes to <run dir>/fit.log",
+        f"each ({why}); each run's output goes to <run dir>/fit.log",
         flush=True,
     )
     failures: list[str] = []

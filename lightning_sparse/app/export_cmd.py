@@ -16,10 +16,11 @@ a full disk, a bad option) is one line on stderr naming the file and the fix, an
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import NoReturn
 
-from lightning_sparse.integrations.export import FORMATS, export
+from lightning_sparse.integrations.choices import EXPORT_FORMATS
 
 __all__ = ["main"]
 
@@ -41,7 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ckpt_path", required=True, help="checkpoint written by fit (.ckpt)")
     parser.add_argument("--output", required=True, help="directory to create")
     parser.add_argument(
-        "--format", choices=FORMATS, default="hf", help="hf (dense) or compressed (%(default)s)"
+        "--format",
+        choices=EXPORT_FORMATS,
+        default="hf",
+        help="hf (dense) or compressed (%(default)s)",
     )
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory to copy along")
     parser.add_argument(
@@ -67,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(args: list[str]) -> None:
     """Parse ``args`` (after ``export``) and export; errors exit with one line."""
     options = _parser().parse_args(args)
+    from lightning_sparse.integrations.export import export  # torch: only when it runs
+
     _quiet_transformers()
     try:
         out = export(
@@ -79,9 +85,27 @@ def main(args: list[str]) -> None:
             trust_file=options.trust_file,
         )
     except (ValueError, OSError, ModuleNotFoundError) as err:
-        print(f"{_PROG}: {' '.join(str(err).split())}", file=sys.stderr)
+        print(f"{_PROG}: {_as_flags(' '.join(str(err).split()))}", file=sys.stderr)
         sys.exit(1)
     print(f"{_PROG}: wrote {out} ({options.format})")
+
+
+# The library's messages name `export`'s keyword arguments; the command's user types flags.
+_FLAGS = {
+    "trust_file=True (CLI: --trust-file)": "--trust-file",
+    "overwrite=True": "--overwrite",
+    "trust_file=True": "--trust-file",
+    "output=": "--output ",
+    "tokenizer=": "--tokenizer ",
+    "run_config=": "--run_config ",
+}
+
+
+def _as_flags(message: str) -> str:
+    """``message`` with `export`'s argument names replaced by this command's flags."""
+    for argument, flag in _FLAGS.items():
+        message = re.sub(rf"(?<![\w-]){re.escape(argument)}", flag, message)
+    return message
 
 
 def _quiet_transformers() -> None:

@@ -7,29 +7,37 @@ layers. Any recipe, or any LightningCLI option, can be given on the command line
     lightning-sparse fit                                   # the default recipe
     lightning-sparse fit --config recipes/static_llama.yaml --trainer.max_steps 50
     lightning-sparse fit --ckpt_path last                  # resume the recipe's latest run
+    lightning-sparse test --ckpt_path last                 # evaluate it on the test split
 
 Every run gets a `SparseRunSummary` callback (options under ``summary:``) and its own directory
-(`lightning_sparse.app.run_dirs`); on a CUDA GPU, TF32 matmuls
-(`lightning_sparse.app.tensor_cores`). Model and data are any LightningModule /
-LightningDataModule named by ``class_path``.
+(`lightning_sparse.app.run_dirs`; ``validate`` / ``test`` / ``predict`` a folder inside the run
+they evaluate, with ``results.json`` or ``predictions.jsonl``: `lightning_sparse.app.evaluation`);
+on a CUDA GPU, TF32 matmuls (`lightning_sparse.app.tensor_cores`). Before the objects are built
+the configuration is adjusted to the flags given (`lightning_sparse.app.config_edits`: no
+logger, ``fast_dev_run``, evaluations without W&B). Model and data are any LightningModule /
+LightningDataModule named by ``class_path``. Only the subcommand on the command line gets a
+parser (`subcommand_of`).
 
 What a user can fix ends the command with one line and a non-zero exit status
 (`lightning_sparse.app.errors.CLIError`): a ``--config`` file that is missing or not a YAML
-mapping and a ``--ckpt_path`` that names no file (`lightning_sparse.app.preflight`, before
-anything is built), a run directory or checkpoint that cannot be written (no permission, disk
-full), and a run stopped by SIGTERM (exit status 143, naming its last checkpoint, so that
-``fit && next-stage`` stops too).
+mapping and a ``--ckpt_path`` that names no file or a file that is not a checkpoint
+(`lightning_sparse.app.preflight`, before anything is built), a run directory or checkpoint that
+cannot be written (no permission, disk full), and a run stopped by SIGTERM (exit status 143,
+naming its last checkpoint, so that ``fit && next-stage`` stops too). A parse error is one line
+with the closest name (`lightning_sparse.app.parse_errors`).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import lightning.pytorch as pl
+from jsonargparse import ArgumentParser
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
@@ -37,7 +45,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 import lightning_sparse.wse  # noqa: F401  (registers accelerator="wse" for recipes)
-from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG, SUBCOMMAND_HELP, SUBCOMMANDS
+from lightning_sparse.app.common import LIGHTNING_SUBCOMMANDS, PROG
+from lightning_sparse.app.config_edits import edit_for_run
 from lightning_sparse.app.errors import (
     EXIT_FAILED,
     EXIT_SIGTERM,
@@ -45,7 +54,14 @@ from lightning_sparse.app.errors import (
     describe_os_error,
     note_key,
 )
-from lightning_sparse.app.preflight import check_ckpt_path, check_config_files
+from lightning_sparse.app.evaluation import PredictionWriter, write_results
+from lightning_sparse.app.parse_errors import shorten
+from lightning_sparse.app.preflight import (
+    check_checkpoint_file,
+    check_ckpt_path,
+    check_config_files,
+)
+from lightning_sparse.app.progress import step_progress_bar
 from lightning_sparse.app.quiet import plain_model_summary
 from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
 from lightning_sparse.app.tensor_cores import use_tensor_cores
@@ -58,48 +74,97 @@ from lightning_sparse.recipes import RECIPES_DIR
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
-__all__ = ["DEFAULT_RECIPE", "SparseCLI", "build_args", "last_checkpoint", "main", "run"]
+__all__ = [
+    "DEFAULT_RECIPE",
+    "SparseCLI",
+    "build_args",
+    "last_checkpoint",
+    "main",
+    "run",
+    "subcommand_of",
+]
 
 DEFAULT_RECIPE = RECIPES_DIR / "rigl_llama.yaml"
 
 
 class _Parser(LightningArgumentParser):
-    """A parse error prints a one-line usage (the full one is ~50 lines of options)."""
+    """A parse error prints a one-line usage (the full one is ~50 lines of options) and one line
+    for the error, with the closest name where there is one (`parse_errors.shorten`)."""
 
     def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         prog = self.prog.replace(" [options]", "")
         (file or sys.stderr).write(f"usage: {prog} [options] (all options: {prog} --help)\n")
 
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:  # a class's own parser: its message goes into the outer one
+            super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        usage = parser.prog.replace(" [options]", "")
+        super().error(shorten(message, _option_names(parser), usage), ex)
+
+
+def _option_names(parser: ArgumentParser) -> list[str]:
+    """Every key (``trainer.max_steps``) and option string (``--trainer.max_steps``) of
+    ``parser`` and of its subcommands' parsers."""
+    names: list[str] = []
+    for action in parser._actions:
+        names += [action.dest, *action.option_strings]
+        for sub in (getattr(action, "_name_parser_map", None) or {}).values():
+            names += _option_names(sub)
+    return names
+
 
 class SparseCLI(LightningCLI):
     """LightningCLI with any LightningModule / LightningDataModule (``class_path`` in the recipe),
     a `SparseRunSummary` on every run (configured under ``summary:``) and one directory per run
-    (`plan_run_dir`)."""
+    (`plan_run_dir`).
+
+    Args:
+        subcommand: build only this subcommand's parser (``fit``, ...); default: all four. Each
+            is a full signature walk of the Trainer, model and data classes, so the command,
+            which knows its subcommand from the command line (`subcommand_of`), builds one.
+        *args, **kwargs: LightningCLI's.
+    """
 
     run_dir: RunDir | None = None
+
+    def __init__(self, *args: Any, subcommand: str | None = None, **kwargs: Any) -> None:
+        self._only = subcommand
+        command_line = kwargs.get("args")
+        self._logger_asked = isinstance(command_line, list) and any(  # the class, by name
+            a == "--trainer.logger" or str(a).startswith("--trainer.logger=") for a in command_line
+        )
+        try:
+            super().__init__(*args, **kwargs)  # parses, builds and runs the subcommand
+        except BaseException:
+            if self.run_dir is not None:
+                self.run_dir.release()  # a failed run leaves no version_N with nothing in it
+            raise
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]  # (static there)
+        every = LightningCLI.subcommands()
+        return every if self._only is None else {self._only: every[self._only]}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_lightning_class_args(SparseRunSummary, "summary")
 
-    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
-        # One line per subcommand in --help, the other subcommands included (the entry point
-        # dispatches them before LightningCLI; these entries only document them).
-        super()._add_subcommands(parser, **kwargs)
-        action = parser._subcommands_action
-        if action is None:  # LightningCLI's _add_subcommands has just made it
-            raise RuntimeError("LightningCLI added no subcommands to its parser")
-        for subcommand in SUBCOMMANDS:
-            if not subcommand.lightning:
-                action.add_subcommand(subcommand.name, self.parser_class(), help=subcommand.help)
-        for choice in action._choices_actions:
-            choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI reads the checkpoint's hyper-parameters here, before any check of ours:
+        # a path that is no file, or a file that is no checkpoint, is refused first.
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        check_ckpt_path(ckpt_path, subcommand)
+        if ckpt_path and Path(ckpt_path).is_file():
+            check_checkpoint_file(str(ckpt_path))
+        super()._parse_ckpt_path()
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
-        check_ckpt_path(config.get("ckpt_path"), self.subcommand)
-        set_wandb_mode(config)
         # config.yaml keeps the configuration as given: run again from it, it makes a new run.
         self._config_as_given = config.clone()
+        for line in edit_for_run(config, self.subcommand, self._logger_asked):
+            rank_zero_info(line)
+        set_wandb_mode(config)
         worker = os.environ.get(RUN_ENV)
         self.run_dir = plan_run_dir(config, self.subcommand, worker)
         if self.run_dir is not None:
@@ -114,21 +179,21 @@ class SparseCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except BaseException as err:
-            if self.run_dir is not None:
-                self.run_dir.release()  # nothing ran: no empty version_N is left behind
-            if isinstance(err, ValueError | TypeError):
-                note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
+        except (ValueError, TypeError) as err:
+            note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
         # Trainer.callbacks (and log_every_n_steps, datamodule) are set by Lightning's connectors,
         # undeclared on the class: mypy finds no such attribute.
         plain_model_summary(self.trainer.callbacks)  # type: ignore[attr-defined]
+        step_progress_bar(self.trainer.callbacks)  # type: ignore[attr-defined]
         use_tensor_cores(self.trainer.accelerator)  # before Lightning's advice to do so
         if self.run_dir is not None:
             rank_zero_info(self.run_dir.describe())
             for callback in self.trainer.callbacks:  # type: ignore[attr-defined]
                 if isinstance(callback, SaveConfigCallback):
                     callback.config = self._config_as_given
+            if self.subcommand == "predict":
+                self.trainer.callbacks.append(PredictionWriter(self.run_dir.path))  # type: ignore[attr-defined]
         for logger in self.trainer.loggers:
             if logger.save_dir:  # W&B looks for a git repository there and warns if it is missing
                 Path(logger.save_dir).mkdir(parents=True, exist_ok=True)
@@ -161,6 +226,18 @@ class SparseCLI(LightningCLI):
                 EXIT_SIGTERM,
             ) from stop
 
+    # LightningCLI runs ``self.<subcommand>`` where it exists, else ``trainer.<subcommand>``.
+    def validate(self, **kwargs: Any) -> None:
+        self._save_results("validate", self.trainer.validate(**kwargs), kwargs.get("ckpt_path"))
+
+    def test(self, **kwargs: Any) -> None:
+        self._save_results("test", self.trainer.test(**kwargs), kwargs.get("ckpt_path"))
+
+    def _save_results(self, subcommand: str, metrics: Any, ckpt_path: str | None) -> None:
+        if self.run_dir is not None and self.trainer.is_global_zero:
+            path = write_results(self.run_dir.path, subcommand, ckpt_path, metrics)
+            print(f"{PROG}: {subcommand} results saved to {path}", flush=True)
+
 
 def last_checkpoint(trainer: pl.Trainer) -> Path | None:
     """The newest checkpoint file the trainer's `ModelCheckpoint` callbacks know of (their
@@ -177,13 +254,26 @@ def last_checkpoint(trainer: pl.Trainer) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
 
 
+def subcommand_of(args: list[str]) -> str | None:
+    """The LightningCLI subcommand ``args`` names: the first word, or the word after
+    LightningCLI's own leading options (``-c all.yaml fit``, a config with a ``fit:`` key);
+    ``None`` when there is none (no words, or options only)."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += 2 if args[i] in ("-c", "--config") else 1
+    return args[i] if i < len(args) and args[i] in LIGHTNING_SUBCOMMANDS else None
+
+
 def build_args(args: list[str]) -> list[str]:
-    """The LightningCLI argument list: ``fit`` when empty; the default recipe when no config.
+    """The LightningCLI argument list: ``fit`` when no subcommand is named (no arguments, or
+    options only: they are fit's); the default recipe when no config.
 
     Raises:
         FileNotFoundError: the default recipe is needed but missing (not a source checkout).
     """
-    args = list(args) or ["fit"]
+    args = list(args)
+    if subcommand_of(args) is None:
+        args.insert(0, "fit")
     has_config = any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
     if args[0] in LIGHTNING_SUBCOMMANDS and not has_config:
         if not DEFAULT_RECIPE.is_file():
@@ -197,14 +287,17 @@ def build_args(args: list[str]) -> list[str]:
 
 def run(args: list[str]) -> SparseCLI:
     """Run a LightningCLI subcommand (after `build_args`) and return the CLI object."""
-    subcommand_kwargs: dict[str, Any] = {
-        name: {"allow_abbrev": False} for name in LIGHTNING_SUBCOMMANDS
-    }
-    subcommand_kwargs["fit"]["description"] = (
-        "Train. Without --config: the default recipe, recipes/rigl_llama.yaml (installed at "
-        f"{DEFAULT_RECIPE}). Each run writes to its own <logger save_dir>/version_N; "
-        "--ckpt_path last resumes the latest run."
-    )
+    args = build_args(args)
+    subcommand = subcommand_of(args)
+    if subcommand is None:  # build_args has named one
+        raise RuntimeError(f"no LightningCLI subcommand in {args}")
+    subcommand_kwargs: dict[str, Any] = {"allow_abbrev": False}
+    if subcommand == "fit":
+        subcommand_kwargs["description"] = (
+            "Train. Without --config: the default recipe, recipes/rigl_llama.yaml (installed at "
+            f"{DEFAULT_RECIPE}). Each run writes to its own <logger save_dir>/version_N; "
+            "--ckpt_path last resumes the latest run."
+        )
     saved_run_env = os.environ.get(RUN_ENV)
     outer_wandb_run = active_wandb_run()
     # No base classes: model and data are any LightningModule / LightningDataModule named by
@@ -214,10 +307,11 @@ def run(args: list[str]) -> SparseCLI:
             # We pass the (possibly completed) command line as `args` on purpose.
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
             return SparseCLI(
-                args=build_args(args),
+                args=args,
+                subcommand=subcommand,
                 parser_class=_Parser,
                 save_config_kwargs={"overwrite": True},
-                parser_kwargs={"prog": PROG, "allow_abbrev": False, **subcommand_kwargs},
+                parser_kwargs={"prog": PROG, "allow_abbrev": False, subcommand: subcommand_kwargs},
             )
     finally:
         if saved_run_env is None:
@@ -231,6 +325,13 @@ def run(args: list[str]) -> SparseCLI:
             wandb_run.finish()
 
 
+def _only_prints(args: list[str]) -> bool:
+    """Whether ``args`` only print something (help, ``--print_config``) and run nothing."""
+    return any(
+        re.fullmatch(r"-h|--help|--[\w.]+\.help(=.*)?|--print_config(=.*)?", a) for a in args
+    )
+
+
 def main(args: list[str]) -> None:
     """``lightning-sparse [fit|validate|test|predict] ...``: ``args`` is the whole command line
     after ``lightning-sparse`` (the subcommand's name included). Checks the ``--config`` files,
@@ -241,8 +342,8 @@ def main(args: list[str]) -> None:
             run stopped by SIGTERM (see the module docstring).
     """
     check_config_files(args)
-    if args[:1] in ([], *([name] for name in LIGHTNING_SUBCOMMANDS)) and "--help" not in args:
-        print(set_threads(), flush=True)  # idle cores only: two threads thrash beside a busy one
+    if not _only_prints(args):  # idle cores only: two threads thrash beside a busy one
+        print(set_threads(), file=sys.stderr, flush=True)  # stdout: --print_config's YAML
     try:
         run(args)
     except OSError as err:  # a directory or checkpoint that cannot be written, a full disk

@@ -18,12 +18,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lightning_sparse.app.threads import set_threads
-from lightning_sparse.integrations.serve import INFERENCE_DTYPES, ServedModel, load_on_wse
+from lightning_sparse.integrations.choices import INFERENCE_DTYPE_NAMES
+
+if TYPE_CHECKING:
+    from lightning_sparse.integrations.serve import ServedModel
 
 __all__ = ["main"]
 
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (save_pretrained)")
     parser.add_argument(
         "--inference_dtype",
-        choices=tuple(INFERENCE_DTYPES),
+        choices=INFERENCE_DTYPE_NAMES,
         default=None,
         help="storage of the kept values (default: the file's)",
     )
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(args: list[str]) -> None:
     """Parse ``args`` (after ``generate``), load, generate and print; errors exit with one line."""
     options = _parser().parse_args(args)
+    import torch  # only when it runs: --help and a bad option load neither torch nor the model
+
+    from lightning_sparse.integrations.serve import load_on_wse
+
     try:
         _check(options)
         threads = set_threads()

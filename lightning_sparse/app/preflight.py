@@ -5,13 +5,18 @@ line names exist and are what they should be.
   read, is YAML (a syntax error names the file, line and column) and holds a mapping (a recipe is
   ``trainer:`` / ``model:`` / ``data:`` ...; a list or a bare value is refused).
 - ``--ckpt_path`` (`check_ckpt_path`, after parsing, before any object is built): a path that is
-  not a file is refused at once instead of after the model and data are set up.
+  not a file is refused at once instead of after the model and data are set up; a file that is
+  not a Lightning checkpoint read weights-only (text, a truncated file, a pickle of other
+  objects, a bare state dict) is refused naming the file, never with torch's advice to load it
+  unsafely.
 
 Each failure is a `CLIError`: one line naming the file (and the option) and the fix.
 """
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +25,15 @@ import yaml
 from lightning_sparse.app.errors import CLIError, describe_os_error
 from lightning_sparse.recipes import RECIPES_DIR
 
-__all__ = ["check_ckpt_path", "check_config_files", "config_paths"]
+__all__ = ["check_checkpoint_file", "check_ckpt_path", "check_config_files", "config_paths"]
 
 # --ckpt_path values Lightning resolves itself (not files).
 _CKPT_KEYWORDS = ("last", "best", "hpc")
+_WRITTEN_BY_FIT = (
+    "a checkpoint written by fit (e.g. outputs/<recipe>/version_N/checkpoints/last.ckpt)"
+)
+# What Lightning reads from every checkpoint it loads.
+_LIGHTNING_KEYS = ("state_dict", "pytorch-lightning_version")
 
 
 def config_paths(args: list[str]) -> list[str]:
@@ -102,8 +112,53 @@ def check_ckpt_path(ckpt_path: Any, subcommand: str | None) -> None:
         )
     resume = " or --ckpt_path last to resume the latest run" if subcommand == "fit" else ""
     raise CLIError(
-        f"checkpoint {value!r} (--ckpt_path) does not exist; pass a checkpoint written by fit "
-        f"(e.g. outputs/<recipe>/version_N/checkpoints/last.ckpt){resume}"
+        f"checkpoint {value!r} (--ckpt_path) does not exist; pass {_WRITTEN_BY_FIT}{resume}"
+    )
+
+
+def check_checkpoint_file(path: str) -> None:
+    """Refuse a ``--ckpt_path`` file that is not a Lightning checkpoint ``torch.load`` reads
+    weights-only (tensors and plain values: what ``fit`` writes). Read with ``mmap`` where the
+    format allows, so that a large checkpoint costs little here.
+
+    Raises:
+        CLIError: naming the file, what it is instead, and the fix.
+    """
+    import torch  # here: the command's other checks run before torch is loaded
+
+    where = f"checkpoint {path!r} (--ckpt_path)"
+    try:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+            loaded = torch.load(path, map_location="cpu", weights_only=True)  # legacy format
+    except pickle.UnpicklingError as err:
+        if "global" in str(err).lower():
+            raise CLIError(
+                f"{where} holds Python objects other than tensors and plain values, which "
+                f"lightning-sparse does not unpickle (that would run code from the file); pass "
+                f"{_WRITTEN_BY_FIT}"
+            ) from None
+        raise _not_a_checkpoint(where) from None
+    except (RuntimeError, KeyError, EOFError, ValueError, AttributeError, TypeError):
+        raise _not_a_checkpoint(where) from None
+    except OSError as err:
+        raise CLIError(describe_os_error(err, "cannot read checkpoint (--ckpt_path)")) from err
+    missing = [k for k in _LIGHTNING_KEYS if not isinstance(loaded, Mapping) or k not in loaded]
+    if missing:
+        kind = "a mapping" if isinstance(loaded, Mapping) else f"a {type(loaded).__name__}"
+        raise CLIError(
+            f"{where} is a torch file holding {kind} without {' or '.join(map(repr, missing))}, "
+            f"not a Lightning checkpoint (a bare state_dict?); pass {_WRITTEN_BY_FIT}"
+        )
+
+
+def _not_a_checkpoint(where: str) -> CLIError:
+    return CLIError(
+        f"{where} is not a checkpoint: torch.load cannot read it (text, another format, or a "
+        f"truncated file); pass {_WRITTEN_BY_FIT}"
     )
 
 

@@ -15,8 +15,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
-
 __all__ = ["drop_zero_flops", "plain_model_summary", "quiet"]
 
 
@@ -44,6 +42,9 @@ def plain_model_summary(callbacks: list[Any]) -> None:
     """Swap Lightning's rich model summary (chosen when ``rich`` is installed) for the plain one,
     in place: the rich table always shows a FLOPs column, 0 here (`drop_zero_flops` filters the
     plain one; the run summary reports the sparse FLOPs)."""
+    # Imported here: `quiet` wraps every subcommand, and ``--help`` should not load Lightning.
+    from lightning.pytorch.callbacks import ModelSummary, RichModelSummary
+
     for i, callback in enumerate(callbacks):
         if type(callback) is RichModelSummary:
             callbacks[i] = ModelSummary(max_depth=callback._max_depth)

@@ -5,6 +5,16 @@ The run's logger files, ``summary.json``, ``config.yaml`` and checkpoints go the
 directory by creating it (``os.mkdir`` is atomic: of two runs started together in one directory,
 one gets ``version_N`` and the other moves on to ``version_N+1``). DDP workers Lightning starts
 parse the same command line; they take the launching process's decision from `RUN_ENV`.
+
+- Without a logger (``--trainer.logger false``) the root is the directory above the first
+  `ModelCheckpoint`'s ``dirpath`` (the recipes': ``outputs/<recipe>``), and the run directory
+  becomes the trainer's ``default_root_dir`` (where ``summary.json`` goes).
+- ``validate`` / ``test`` / ``predict`` write into an evaluation folder inside the run they
+  evaluate: ``<run>/<subcommand>_K`` for a checkpoint in ``<run>/checkpoints/`` (or any
+  ``version_N`` above it), ``<root>/<subcommand>_K`` otherwise.
+- ``fast_dev_run`` gets no directory (it writes no files).
+- A run that fails leaves no directory that holds only what the command wrote at its start
+  (`RunDir.release`).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +31,21 @@ from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
-from lightning_sparse.app.common import as_list, class_of
+from lightning_sparse.app.common import RUN_ENV, as_list, class_of
 from lightning_sparse.app.errors import EXIT_FAILED, CLIError, describe_os_error
 from lightning_sparse.lightning.checkpointing import remove_stale_temporaries
 
 __all__ = ["RUN_ENV", "RunDir", "plan_run_dir", "reserve"]
 
-# The run directory chosen by the launching process, for the DDP workers Lightning starts (they
-# parse the same command line and must not pick the next version_N).
-RUN_ENV = "LIGHTNING_SPARSE_RUN"
+
+# What the command writes into a run directory before the run's first step.
+_START_FILES = frozenset({"config.yaml", "hparams.yaml"})
 
 
 @dataclass(frozen=True)
 class RunDir:
-    """Where one run writes: ``root/version_N``; ``resume`` is the checkpoint it continues."""
+    """Where one run writes: ``root/<prefix>_N`` (``version_N``; ``validate_N`` ... for an
+    evaluation); ``resume`` is the checkpoint it continues or evaluates."""
 
     root: Path
     version: int
@@ -41,19 +53,22 @@ class RunDir:
     asked_to_resume: bool = False
     continues: bool = True  # fit continues in the resumed run's directory
     reserved: bool = False  # this process created ``path`` (`reserve`)
+    prefix: str = "version"
+    origin: Path | None = None  # the root it was planned from (DDP workers match it); default root
 
     @property
     def path(self) -> Path:
-        return self.root / f"version_{self.version}"
+        return self.root / f"{self.prefix}_{self.version}"
 
     def release(self) -> None:
-        """Remove the directory `reserve` created, if nothing was written into it (a run that
-        failed before it started leaves no empty ``version_N``)."""
-        if self.reserved:
-            try:
-                self.path.rmdir()  # only an empty directory
-            except OSError:
-                pass
+        """Remove the directory `reserve` created if it holds nothing but what the command
+        writes at a run's start (``config.yaml``, ``hparams.yaml``, empty folders): a run that
+        failed before it produced anything leaves no ``version_N`` behind."""
+        if not self.reserved or not self.path.is_dir():
+            return
+        files = [p for p in self.path.rglob("*") if not p.is_dir()]
+        if all(p.name in _START_FILES for p in files):
+            shutil.rmtree(self.path, ignore_errors=True)
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Delete the partial checkpoint files that writers killed mid-write left in any run
@@ -64,9 +79,20 @@ class RunDir:
 
     def to_env(self) -> str:
         resume = str(self.resume) if self.resume else None
-        return json.dumps({"root": str(self.root), "version": self.version, "resume": resume})
+        return json.dumps(
+            {
+                "origin": str(self.origin or self.root),
+                "root": str(self.root),
+                "version": self.version,
+                "resume": resume,
+                "prefix": self.prefix,
+            }
+        )
 
     def describe(self) -> str:
+        if self.prefix != "version":
+            what = f"the checkpoint {self.resume}" if self.resume else "the model as configured"
+            return f"lightning-sparse: {self.prefix} of {what}; writing to {self.path}"
         if self.resume is not None and self.continues:
             return f"lightning-sparse: resuming the latest run, {self.path}, from {self.resume}"
         if self.resume is not None:
@@ -84,23 +110,59 @@ class RunDir:
 def plan_run_dir(
     config: Namespace, subcommand: str | None = "fit", worker: str | None = None
 ) -> RunDir | None:
-    """Give the run its own ``version_N`` directory under the first logger's directory and point
-    the loggers and checkpoints there (``config`` is edited); resolve ``ckpt_path: last``.
+    """Give the run its own directory and point the loggers and checkpoints there (``config``
+    is edited); resolve ``ckpt_path: last``.
 
     The root is ``save_dir/name`` of a `CSVLogger` / `TensorBoardLogger` (which then get
-    ``version=N``) or ``save_dir`` of a `WandbLogger` (whose ``save_dir`` becomes the run
-    directory). `ModelCheckpoint` dirpaths under the logger's ``save_dir`` (the recipes'
-    ``outputs/<recipe>/checkpoints``), or unset, move into the run directory. ``N`` is one more
-    than the highest existing, reserved by creating the directory (`reserve`); with
-    ``--ckpt_path last`` the newest ``last*.ckpt`` of the highest version that has one is loaded,
-    and ``fit`` continues in that version's directory. ``None``
-    (nothing changed) without such a logger or when the logger's ``version`` is set (the run
-    directory is then the user's choice). ``worker``: a DDP worker's `RUN_ENV` value, the
-    launching process's decision.
+    ``version=N``; a ``name`` equal to the last part of ``save_dir``, as a recipe's W&B run name
+    becomes when only the logger class is switched, is dropped rather than repeated), or
+    ``save_dir`` of a `WandbLogger` (whose ``save_dir`` becomes the run directory), or without a
+    logger the directory above the first `ModelCheckpoint`'s ``dirpath``. `ModelCheckpoint`
+    dirpaths under that directory (the recipes' ``outputs/<recipe>/checkpoints``), or unset, move
+    into the run directory, and so do other relative ones (as ``<run>/<their last folder>``:
+    a sweep point that moves the logger takes the recipe's checkpoints along); an absolute
+    dirpath elsewhere stays. ``fit`` gets ``root/version_N``, ``N`` one more than the highest
+    existing, reserved by creating the directory (`reserve`); with ``--ckpt_path last`` it
+    continues the highest version that has a ``last*.ckpt``. ``validate`` / ``test`` /
+    ``predict`` get an evaluation folder (`evaluation_dir`). ``None`` (nothing changed) under
+    ``fast_dev_run``, without a logger or checkpoint directory, or when the logger's ``version``
+    is set (the run directory is then the user's choice). ``worker``: a DDP worker's `RUN_ENV`
+    value, the launching process's decision.
 
     Raises:
         CLIError: the run directory cannot be created (no permission, a file in the way, ...).
     """
+    if config.get("trainer.fast_dev_run"):
+        return None  # Lightning logs and checkpoints nothing then; the command writes nothing
+    found = _root(config)
+    if found is None:
+        return None
+    root, base, loggers = found
+    asked = config.get("ckpt_path") == "last"
+    decided = json.loads(worker) if worker else None
+    if decided and decided.get("origin") == str(root):
+        resume = Path(decided["resume"]) if decided["resume"] else None
+        run = RunDir(Path(decided["root"]), decided["version"], resume, asked)
+        run = dataclasses.replace(run, prefix=decided["prefix"])
+    elif subcommand in (None, "fit"):
+        run = _new_or_latest(root, asked)
+        if run.resume is None:
+            run = reserve(run)
+    else:
+        run = evaluation_dir(root, subcommand, config.get("ckpt_path"))
+    run = dataclasses.replace(run, origin=root)
+    if asked and run.resume is not None:
+        config.ckpt_path = str(run.resume)
+    _point_loggers(loggers, run)
+    _point_checkpoints(config, run, base)
+    if not loggers:  # Lightning's default_root_dir holds what a logger's directory would
+        config.trainer.default_root_dir = str(run.path)
+    return run
+
+
+def _root(config: Namespace) -> tuple[Path, Path, list[tuple[Namespace, type]]] | None:
+    """(root of the run directories, the directory the recipe's checkpoints are under, the
+    loggers that get the run directory), or None when the command chooses no directory."""
     loggers = [
         (entry, cls)
         for entry in as_list(config.get("trainer.logger"))
@@ -108,7 +170,10 @@ def plan_run_dir(
         and issubclass(cls, CSVLogger | TensorBoardLogger | WandbLogger)
     ]
     if not loggers:
-        return None
+        if as_list(config.get("trainer.logger")):  # another logger class: its own directory
+            return None
+        dirpath = next((c.init_args.get("dirpath") for c in _checkpoints(config)), None)
+        return (Path(dirpath).parent, Path(dirpath).parent, []) if dirpath else None
     entry, cls = loggers[0]
     args = entry.get("init_args") or Namespace()
     save_dir = args.get("save_dir")
@@ -116,47 +181,90 @@ def plan_run_dir(
         return None
     root = Path(save_dir)
     if not issubclass(cls, WandbLogger):
+        if args.get("name") == root.name:  # outputs/rigl_llama/rigl_llama: the name twice
+            args.name = ""
         root = root / (args.get("name") or "")
-    ckpt_path = config.get("ckpt_path")
-    asked = ckpt_path == "last"
-    decided = json.loads(worker) if worker else None
-    if decided and decided["root"] == str(root):
-        resume = Path(decided["resume"]) if decided["resume"] else None
-        run = RunDir(root, decided["version"], resume, asked)
+    return root, Path(save_dir), loggers
+
+
+def evaluation_dir(root: Path, subcommand: str, ckpt_path: str | None) -> RunDir:
+    """The folder ``validate`` / ``test`` / ``predict`` write to, reserved: ``<run>/<subcommand>_K``
+    inside the run whose checkpoint it evaluates (``ckpt_path: last``: the newest run with a
+    ``last*.ckpt`` under ``root``), or ``<root>/<subcommand>_K`` for a checkpoint outside a run
+    directory and for no checkpoint."""
+    if ckpt_path == "last":
+        resume = _new_or_latest(root, True).resume
     else:
-        run = _new_or_latest(root, asked)
-        if subcommand != "fit" and run.resume is not None:  # evaluated, not continued
-            run = RunDir(root, _new_or_latest(root, False).version, run.resume, asked, False)
-        if run.resume is None or not run.continues:
-            run = reserve(run)
-    if asked and run.resume is not None:
-        config.ckpt_path = str(run.resume)
+        resume = Path(ckpt_path) if ckpt_path and Path(ckpt_path).is_file() else None
+    home = (_run_of(resume) if resume is not None else None) or root
+    run = RunDir(home, _next_version(home, subcommand), resume, ckpt_path == "last", False)
+    return reserve(dataclasses.replace(run, prefix=subcommand))
+
+
+def _run_of(ckpt: Path) -> Path | None:
+    """The run directory holding checkpoint ``ckpt``: the nearest ``version_N`` above it, or the
+    folder above its ``checkpoints/``."""
+    found = next((p for p in ckpt.parents if re.fullmatch(r"version_\d+", p.name)), None)
+    if found is None and ckpt.parent.name == "checkpoints":
+        found = ckpt.parent.parent
+    return found
+
+
+def _point_loggers(loggers: list[tuple[Namespace, type]], run: RunDir) -> None:
     for entry, cls in loggers:
         args = entry.get("init_args")
         if args is None:
             entry.init_args = args = Namespace()
         if issubclass(cls, WandbLogger):
             if args.get("save_dir") is not None:  # absolute: W&B prints `wandb sync <it>`
-                args.save_dir = str((Path(args.save_dir) / run.path.name).resolve())
+                args.save_dir = str(run.path.resolve())
+        elif run.prefix != "version":  # an evaluation folder: <run>/<subcommand>_K itself
+            args.save_dir, args.name, args.version = str(run.root), "", run.path.name
         elif args.get("version") is None:
             args.version = run.version
+
+
+def _checkpoints(config: Namespace) -> list[Namespace]:
+    """The `ModelCheckpoint` entries of ``trainer.callbacks``, each with ``init_args``."""
+    found = []
     for callback in as_list(config.get("trainer.callbacks")):
         cls = class_of(callback)
-        if cls is None or not issubclass(cls, ModelCheckpoint):
+        if cls is not None and issubclass(cls, ModelCheckpoint):
+            if callback.get("init_args") is None:
+                callback.init_args = Namespace()
+            found.append(callback)
+    return found
+
+
+def _point_checkpoints(config: Namespace, run: RunDir, base: Path) -> None:
+    """`ModelCheckpoint` dirpaths unset or under ``base`` (but not in a run of it) move into
+    the run directory; an evaluation's point at the directory of the checkpoint it loads (they
+    save nothing outside fit, and Lightning warns when a loaded checkpoint's dirpath differs)."""
+    for callback in _checkpoints(config):
+        if run.prefix != "version":
+            where = run.resume.parent if run.resume is not None else run.path / "checkpoints"
+            callback.init_args.dirpath = str(where)
             continue
-        if callback.get("init_args") is None:
-            callback.init_args = Namespace()
         dirpath = callback.init_args.get("dirpath")
         if dirpath is None:
             callback.init_args.dirpath = str(run.path / "checkpoints")
             continue
         try:
-            inside = Path(dirpath).resolve().relative_to(Path(save_dir).resolve())
+            inside = Path(dirpath).resolve().relative_to(base.resolve())
         except ValueError:
-            continue  # elsewhere: the user's choice
+            if Path(dirpath).is_absolute():
+                continue  # elsewhere, named in full: the user's choice
+            # Relative and elsewhere: a recipe's outputs/<recipe>/checkpoints with the logger
+            # moved (a sweep point's, a compare run's): its folder in this run, not one shared.
+            inside = Path(Path(dirpath).name)
         if not inside.parts or not inside.parts[0].startswith("version_"):
             callback.init_args.dirpath = str(run.path / inside)
-    return run
+
+
+def _next_version(root: Path, prefix: str = "version") -> int:
+    """One more than the highest ``<prefix>_N`` under ``root`` (0 when there is none)."""
+    names = (re.fullmatch(rf"{prefix}_(\d+)", p.name) for p in root.glob(f"{prefix}_*"))
+    return max((int(m[1]) + 1 for m in names if m), default=0)
 
 
 def _new_or_latest(root: Path, resume_last: bool) -> RunDir:
@@ -170,11 +278,11 @@ def _new_or_latest(root: Path, resume_last: bool) -> RunDir:
             )
             if found:
                 return RunDir(root, version, found[-1], True)
-    return RunDir(root, versions[0] + 1 if versions else 0, None, resume_last)
+    return RunDir(root, _next_version(root), None, resume_last)
 
 
 def reserve(run: RunDir) -> RunDir:
-    """Create ``run.path``, or the first free ``version_M`` above it, and return that run.
+    """Create ``run.path``, or the first free ``<prefix>_M`` above it, and return that run.
 
     ``os.mkdir`` either creates the directory or fails because it exists, atomically, so runs
     started together in one directory each get their own version.
@@ -184,7 +292,7 @@ def reserve(run: RunDir) -> RunDir:
     """
     version = run.version
     while True:
-        path = run.root / f"version_{version}"
+        path = run.root / f"{run.prefix}_{version}"
         try:
             run.root.mkdir(parents=True, exist_ok=True)
             os.mkdir(path)

@@ -38,7 +38,7 @@ from typing import Any
 
 import yaml
 
-from lightning_sparse.app.run_dirs import RUN_ENV
+from lightning_sparse.app.common import RUN_ENV
 from lightning_sparse.app.sweep_seeds import SEED_KEY, seed_table, write_seed_table
 
 __all__ = [

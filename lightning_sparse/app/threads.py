@@ -14,8 +14,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 __all__ = ["busy_cores", "choose_threads", "set_threads"]
 
 ENV = "LIGHTNING_SPARSE_THREADS"
@@ -52,7 +50,10 @@ def choose_threads(available: int, busy: float | None) -> int:
 
 
 def set_threads() -> str:
-    """Set torch's intra-op threads for this run; returns the line the CLI prints."""
+    """Set torch's intra-op threads for this run; returns the line the CLI prints (on stderr:
+    stdout carries the command's results, e.g. ``--print_config``'s YAML)."""
+    import torch  # here, not at the top: `busy_cores` serves `compare`, which never loads torch
+
     if os.environ.get(ENV):
         n = int(os.environ[ENV])
         why = f"{ENV}={n}"

@@ -1,8 +1,10 @@
 """Byte-level text data: a real corpus present on every machine, no downloads, no tokenizer.
 
 By default the corpus is the Python standard library's own `.py` sources (excluding
-site-packages and test directories). Files are split into train / validation by a stable hash
+site-packages and test directories). Files are split into train / held-out by a stable hash
 of their relative path, so the split never depends on the machine, the file order or the seed.
+The held-out files give the validation windows first, then the test windows after them (never
+trained on, never validated on); the predict prompts are the starts of the test windows.
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ class ByteTextDataModule(L.LightningDataModule):
     order. The training loader is a `ResumableDataLoader`: under DDP each rank takes its share of
     the order, and a run resumed from a mid-epoch checkpoint continues with the batch after the
     last one trained (the position is saved in the checkpoint). Validation is the first
-    `val_windows` contiguous windows of the validation files.
+    `val_windows` contiguous windows of the held-out (validation) files, the test split the next
+    `test_windows` windows after them, and ``predict`` continues the first `seq_len // 2` tokens
+    of the first `predict_prompts` test windows (`decode` turns ids back into text).
 
     Args:
         paths: Text files or directories (searched recursively for `pattern`); `None` uses the
@@ -148,6 +152,8 @@ class ByteTextDataModule(L.LightningDataModule):
             the sparsity algorithms' ``seed=None``), so ``--seed_everything`` varies the model
             init, the masks and the data order together. The resolved seed is the saved hparam.
         num_workers: DataLoader worker processes.
+        test_windows: Number of test windows (``lightning-sparse test``).
+        predict_prompts: Number of prompts ``lightning-sparse predict`` continues.
     """
 
     vocab_size = VOCAB_SIZE
@@ -170,19 +176,30 @@ class ByteTextDataModule(L.LightningDataModule):
         val_windows: int = 128,
         seed: int | None = None,
         num_workers: int = 0,
+        test_windows: int = 128,
+        predict_prompts: int = 8,
     ) -> None:
         super().__init__()
         if val_every < 2:
             raise ValueError(f"val_every must be >= 2 (one file in val_every), got {val_every}")
-        if seq_len < 1 or batch_size < 1 or val_windows < 1:
+        sizes = {
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "val_windows": val_windows,
+            "test_windows": test_windows,
+            "predict_prompts": predict_prompts,
+        }
+        bad = {name: value for name, value in sizes.items() if value < 1}
+        if bad:
             raise ValueError(
-                f"seq_len, batch_size and val_windows must be positive, got "
-                f"{seq_len}, {batch_size}, {val_windows}"
+                f"{', '.join(f'{k}={v}' for k, v in bad.items())}: must be positive (a count of "
+                "tokens, windows or prompts)"
             )
         self.save_hyperparameters()
         self.hparams["seed"] = experiment_seed(seed)  # the seed in force, saved and logged
         self.train_data: Tensor | None = None
         self.val_data: Tensor | None = None
+        self.test_data: Tensor | None = None
         self.train_sampler: ResumableSampler | None = None
 
     def split_files(self) -> tuple[list[Path], list[Path]]:
@@ -209,8 +226,9 @@ class ByteTextDataModule(L.LightningDataModule):
         train_files, val_files = self.split_files()
         window = hp.seq_len + 1
         self.train_data = read_bytes(train_files, hp.max_bytes)
-        # Validation reads only the bytes its windows need.
-        self.val_data = read_bytes(val_files, hp.val_windows * hp.seq_len + 1)
+        # The held-out files are read only as far as the validation and test windows need.
+        held_out = read_bytes(val_files, self.held_out_size())
+        self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
                 raise ValueError(
@@ -218,16 +236,35 @@ class ByteTextDataModule(L.LightningDataModule):
                     f"seq_len + 1 = {window}; add text or lower seq_len"
                 )
 
+    def held_out_size(self) -> int:
+        """Tokens of the held-out files the validation, test and predict windows use."""
+        hp = self.hparams
+        return (hp.val_windows + max(hp.test_windows, hp.predict_prompts)) * hp.seq_len + 1
+
+    def held_out_splits(self, held_out: Tensor) -> tuple[Tensor, Tensor]:
+        """(validation, test) of the held-out tokens: the validation windows' tokens first (the
+        same as when no test split existed), the test windows' after them."""
+        cut = self.hparams.val_windows * self.hparams.seq_len
+        return held_out[: cut + 1], held_out[cut:]
+
     def _windows(self, data: Tensor) -> Tensor:
         """Start offsets [num_windows] tiling data with stride seq_len."""
         return torch.arange((len(data) - 1) // self.hparams.seq_len) * self.hparams.seq_len
 
     def _split(self, name: str) -> Tensor:
-        """The `name` ("train" or "val") split's data; raises before `setup` has read it."""
-        data = self.train_data if name == "train" else self.val_data
+        """The `name` ("train", "val" or "test") split's data; raises before `setup` has read it,
+        and for a test split shorter than one window."""
+        data = {"train": self.train_data, "val": self.val_data, "test": self.test_data}[name]
         if data is None:
             raise RuntimeError(
                 f"{name}_dataloader() before setup(): call setup('fit') first (the Trainer does)"
+            )
+        if name == "test" and len(data) < self.hparams.seq_len + 1:
+            raise ValueError(
+                f"the test split has {len(data)} tokens after the {self.hparams.val_windows} "
+                f"validation windows, fewer than one window of seq_len + 1 = "
+                f"{self.hparams.seq_len + 1}; add held-out text (val_paths, or more files) or "
+                "lower val_windows"
             )
         return data
 
@@ -257,6 +294,23 @@ class ByteTextDataModule(L.LightningDataModule):
         data = self._split("val")
         starts = self._windows(data)[: self.hparams.val_windows]
         return self._loader(WindowDataset(data, starts, self.hparams.seq_len))
+
+    def test_dataloader(self) -> DataLoader:
+        data = self._split("test")
+        starts = self._windows(data)[: self.hparams.test_windows]
+        return self._loader(WindowDataset(data, starts, self.hparams.seq_len))
+
+    def predict_dataloader(self) -> DataLoader:
+        """Prompts LongTensor [batch, seq_len // 2]: the starts of the first `predict_prompts`
+        test windows (a model continues them; `LitCausalLM.predict_step`)."""
+        data = self._split("test")
+        starts = self._windows(data)[: self.hparams.predict_prompts]
+        prompt_len = max(1, self.hparams.seq_len // 2)
+        return self._loader(WindowDataset(data, starts, prompt_len - 1))
+
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (bytes here; a byte sequence cut inside a character shows U+FFFD)."""
+        return bytes(ids).decode("utf-8", errors="replace")
 
     def _loader(self, dataset: WindowDataset) -> DataLoader:
         return DataLoader(

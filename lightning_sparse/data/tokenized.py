@@ -116,7 +116,8 @@ class TokenizedTextDataModule(ByteTextDataModule):
         save_tokenizer: Directory the trained BPE is saved to (``save_pretrained``; rank 0
             only), so a model, an export or a later run can load it with `tokenizer=`.
         paths, pattern, val_paths, val_every, seq_len, batch_size, max_bytes, val_windows, seed,
-            num_workers: As in `ByteTextDataModule`; `max_bytes` caps the training text read.
+            num_workers, test_windows, predict_prompts: As in `ByteTextDataModule`; `max_bytes`
+            caps the training text read.
     """
 
     def __init__(
@@ -134,6 +135,8 @@ class TokenizedTextDataModule(ByteTextDataModule):
         val_windows: int = 128,
         seed: int | None = None,
         num_workers: int = 0,
+        test_windows: int = 128,
+        predict_prompts: int = 8,
     ) -> None:
         if tokenizer is None:
             check_bpe_vocab(bpe_vocab_size)
@@ -148,6 +151,8 @@ class TokenizedTextDataModule(ByteTextDataModule):
             val_windows,
             seed,
             num_workers,
+            test_windows,
+            predict_prompts,
         )
         self.save_hyperparameters()
         self.hparams["seed"] = experiment_seed(seed)  # as the parent: the seed in force
@@ -191,6 +196,10 @@ class TokenizedTextDataModule(ByteTextDataModule):
             ids.extend(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return torch.tensor(ids[:limit] if limit is not None else ids, dtype=torch.int32)
 
+    def decode(self, ids: list[int]) -> str:
+        """Text of token ids (the tokenizer's)."""
+        return str(self.tokenizer.decode(ids))
+
     def setup(self, stage: str | None = None) -> None:
         if self.train_data is not None:
             return
@@ -198,9 +207,10 @@ class TokenizedTextDataModule(ByteTextDataModule):
         window = hp.seq_len + 1
         self.train_data = self.token_ids(self.train_texts())
         self._train_texts = None  # the ids are kept; the text is not needed any more
-        # Validation tokenizes files only until its windows are filled.
+        # The held-out files are tokenized only until the validation and test windows are filled.
         val_files = self.split_files()[1]
-        self.val_data = self.token_ids(read_texts(val_files), hp.val_windows * hp.seq_len + 1)
+        held_out = self.token_ids(read_texts(val_files), self.held_out_size())
+        self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
                 raise ValueError(

@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lightning_sparse.core.file_modes import give_default_mode
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.integrations import export_dir
+from lightning_sparse.integrations.choices import EXPORT_FORMATS
 from lightning_sparse.integrations.lit_checkpoint import load_lit_checkpoint
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 __all__ = ["FORMATS", "export", "load_lit_checkpoint"]
 
-FORMATS = ("hf", "compressed")
+FORMATS = EXPORT_FORMATS
 _MODEL_FILES = {
     "config.json",
     "generation_config.json",
@@ -144,6 +146,8 @@ def _write(
         compress_directory(path)
     if tokenizer is not None:
         shutil.copytree(tokenizer, path, dirs_exist_ok=True)
+    for file in path.rglob("*"):  # safetensors writes through mkstemp: 0o600, not the umask's
+        give_default_mode(file)
     export_dir.write_marker(path, fmt)  # last: a directory without it is not an export
 
 

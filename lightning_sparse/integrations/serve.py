@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sparse.core.layouts import is_hf_conv1d
+from lightning_sparse.integrations.choices import INFERENCE_DTYPE_NAMES
 from lightning_sparse.integrations.serve_files import TensorFile, compressed_groups
 from lightning_sparse.integrations.serve_model import FIX, describe
 from lightning_sparse.models.llama import Llama, generate
@@ -43,7 +44,9 @@ from lightning_sparse.wse.csr_linear import CSRLinear, runs_in_csr, unpack_bitma
 
 __all__ = ["INFERENCE_DTYPES", "ServedModel", "load_on_wse"]
 
-INFERENCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+INFERENCE_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name) for name in INFERENCE_DTYPE_NAMES
+}
 
 
 @dataclass

@@ -34,6 +34,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_sparse.core.file_modes import give_default_mode
+
 try:
     import fcntl
 except ImportError:  # Windows: an open file cannot be deleted, which protects a live writer
@@ -136,6 +138,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 )
             except OSError as err:
                 raise _save_error(err, target) from err
+            try:  # mkstemp's 0o600 would outlive the rename: the umask's mode, as any file
+                give_default_mode(fd)
+            except OSError:  # a file system without modes: the checkpoint is still written
+                pass
             if fcntl is not None:
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX)

@@ -63,7 +63,8 @@ class SparseRunSummary(pl.Callback):
     plus shifted targets) or tuples whose first element is one; nothing is needed from the model.
 
     Args:
-        path: JSON file to write; default ``<trainer.log_dir>/summary.json``.
+        path: JSON file to write; default ``<trainer.log_dir>/summary.json``, and none under
+            ``fast_dev_run`` (Lightning's check run, which logs and checkpoints nothing).
         monitor: the logged validation loss (nats per token); default: the `ModelCheckpoint`
             ``monitor`` if one is set, else the first of ``val/loss``, ``val_loss`` logged. The
             perplexity is the same key with ``loss`` -> ``ppl`` if logged, else ``exp(loss)``.
@@ -265,6 +266,10 @@ class SparseRunSummary(pl.Callback):
         self.summary = self.build(trainer, pl_module)
         for logger in trainer.loggers:
             logger.log_metrics(final_metrics(self.summary), step=trainer.global_step)
+        # a check run: Lightning writes nothing (fast_dev_run is set by a connector, undeclared)
+        if trainer.fast_dev_run and self.path is None:  # type: ignore[attr-defined]
+            self._emit(None, self.summary)
+            return
         # trainer.log_dir is a collective under DDP: every rank asks, rank 0 writes.
         path = Path(self.path or Path(trainer.log_dir or trainer.default_root_dir) / "summary.json")
         self._emit(path, self.summary)
@@ -357,7 +362,12 @@ class SparseRunSummary(pl.Callback):
         )
 
     @rank_zero_only
-    def _emit(self, path: Path, summary: dict[str, Any]) -> None:
+    def _emit(self, path: Path | None, summary: dict[str, Any]) -> None:
+        """Print the summary and write it to ``path`` (None: print only, as under fast_dev_run)."""
+        if path is None:
+            text = format_summary(summary, layers=self.print_layers)
+            print(f"{text}\nsummary not saved (fast_dev_run; --summary.path saves it)")
+            return
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(summary, indent=1) + "\n")
         shown = path.resolve()  # as given with --summary.path, else relative to the cwd

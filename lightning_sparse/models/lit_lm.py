@@ -139,6 +139,22 @@ class LitCausalLM(L.LightningModule):
         self.log("val/ppl", loss.exp(), sync_dist=True)
         self.val_loss.reset()
 
+    # Test: the validation loss's computation on the data module's test split (the held-out
+    # windows after the validation ones), logged as test/loss and test/ppl. The accumulator is
+    # the validation one: validation and test never run at the same time.
+    def on_test_epoch_start(self) -> None:
+        self.val_loss.reset()
+        self.val_loss.set_dtype(torch.float32)  # a bf16-true module casts metric states too
+
+    def test_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.val_loss.update(self.loss(batch), weight=batch[:, 1:].numel())
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.log("test/loss", loss, sync_dist=True)
+        self.log("test/ppl", loss.exp(), sync_dist=True)
+        self.val_loss.reset()
+
     def predict_step(self, batch: Tensor | tuple[Tensor, ...], batch_idx: int) -> Tensor:
         """Continues prompts [B, T] -> [B, T + max_new_tokens]."""
         prompt = batch[0] if isinstance(batch, (tuple, list)) else batch

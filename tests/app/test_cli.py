@@ -88,6 +88,16 @@ def test_no_arguments_fit_the_default_recipe() -> None:
         str(fit.DEFAULT_RECIPE),
     ]
     assert fit.build_args(["validate"])[1:3] == ["--config", str(fit.DEFAULT_RECIPE)]
+    # Options without a subcommand are fit's (LightningCLI's parser exits on them otherwise),
+    # and the subcommand after LightningCLI's own leading options is kept: it alone is built.
+    assert fit.build_args(["--trainer.max_steps", "3"])[:4] == [
+        "fit",
+        "--config",
+        str(fit.DEFAULT_RECIPE),
+        "--trainer.max_steps",
+    ]
+    assert fit.subcommand_of(["-c", "all.yaml", "test", "--ckpt_path", "x"]) == "test"
+    assert fit.subcommand_of(["--print_config"]) is None
     own = ["fit", "--config", "mine.yaml"]
     assert fit.build_args(own) == own and fit.build_args(["fit", "-c", "x.yaml"]) == [
         "fit",
@@ -210,7 +220,8 @@ def test_abbreviated_options_are_refused(capsys: pytest.CaptureFixture) -> None:
         cli.main(["fit", "--trainer.max_step", "10"])
     assert info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert "error: unrecognized arguments: --trainer.max_step 10" in lines
+    expected = "error: unrecognized arguments: --trainer.max_step 10; did you mean "
+    assert expected + "'--trainer.max_steps'?" in lines
     assert len(lines) <= 4  # a one-line usage, not the ~50 lines of every option
     for main, args in (
         (compare.main, ["--step", "3"]),

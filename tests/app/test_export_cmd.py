@@ -114,7 +114,9 @@ def test_a_missing_checkpoint_a_bad_format_and_an_existing_folder(
     mine.mkdir()
     (mine / "keep.txt").write_text("mine")
     err = export_fails(["--ckpt_path", str(ckpt), "--output", str(mine), "--overwrite"], capsys)
-    assert f"output='{mine}' exists and has no valid lightning_sparse_export.json" in err
+    # The command names its flags, not export()'s keyword arguments.
+    assert f"--output '{mine}' exists and has no valid lightning_sparse_export.json" in err
+    assert "overwrite=True" not in err and "--overwrite replaces only an export" in err
     assert (mine / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "run"]
 

@@ -168,9 +168,21 @@ TINY_RECIPE = {
 }
 
 
-def test_local_sweep_of_two_points_prints_a_table(tmp_path: Path, capsys) -> None:
+def test_local_sweep_of_two_points_prints_a_table(tmp_path: Path, capsys, monkeypatch) -> None:
+    """Each point writes only under its own folder of ``--out``, checkpoints included (the
+    recipe's checkpoint folder, relative to the working directory as in the shipped recipes,
+    was shared by every point; issue 34.4)."""
+    monkeypatch.chdir(tmp_path)
+    trainer = {**TINY_RECIPE["trainer"], "enable_checkpointing": True}  # type: ignore[dict-item]
+    trainer["callbacks"] = [
+        {
+            "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+            "init_args": {"dirpath": "outputs/tiny/checkpoints", "save_last": True},
+        },
+        *trainer["callbacks"],
+    ]
     recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(TINY_RECIPE))
+    recipe.write_text(yaml.safe_dump({**TINY_RECIPE, "trainer": trainer}))
     config = {
         "name": "tiny",
         "method": "grid",
@@ -196,6 +208,10 @@ def test_local_sweep_of_two_points_prints_a_table(tmp_path: Path, capsys) -> Non
         results = list(csv.DictReader(f))
     assert len(results) == 2 and all(math.isfinite(float(r["val/loss"])) for r in results)
     assert (out / "0").is_dir() and (out / "1").is_dir()
+    for point in ("0", "1"):
+        (last,) = (out / point).rglob("last.ckpt")
+        assert last.parent == out / point / "lightning_logs/version_0/checkpoints"
+    assert not (tmp_path / "outputs").exists()  # nothing outside --out
 
 
 def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> None:

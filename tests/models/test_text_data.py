@@ -5,7 +5,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sparse.data.text import ByteTextDataModule, is_validation_file, stdlib_files
+from lightning_sparse.data.text import (
+    ByteTextDataModule,
+    is_validation_file,
+    read_bytes,
+    stdlib_files,
+)
 
 
 def make_dm(**kw) -> ByteTextDataModule:
@@ -139,3 +144,30 @@ def test_loader_before_setup_says_to_call_setup(split: str):
     dm = ByteTextDataModule(seq_len=32, batch_size=4, max_bytes=50_000, val_windows=8)
     with pytest.raises(RuntimeError, match=rf"{split}_dataloader\(\) before setup\(\)"):
         getattr(dm, f"{split}_dataloader")()
+
+
+def test_test_split_and_prompts_are_held_out_windows_after_the_validation_ones():
+    """Validation is what it was before the test split existed (recorded results compare);
+    the test windows follow it in the held-out files, and predict continues their starts."""
+    dm = make_dm(test_windows=3, predict_prompts=5)
+    _, val_files = dm.split_files()
+    held_out = read_bytes(val_files, (8 + 5) * 32 + 1)
+    assert torch.equal(dm.val_data, read_bytes(val_files, 8 * 32 + 1))
+    val = torch.cat(list(dm.val_dataloader()))
+    test = torch.cat(list(dm.test_dataloader()))
+    assert val.shape == (8, 33) and test.shape == (3, 33)
+    assert torch.equal(test[0], held_out[8 * 32 : 8 * 32 + 33].long())  # right after validation
+    prompts = torch.cat(list(dm.predict_dataloader()))
+    assert prompts.shape == (5, 16)  # predict_prompts prompts of seq_len // 2 tokens
+    assert torch.equal(prompts[:3], test[:, :16])
+    assert dm.decode(list(b"def f():")) == "def f():"
+
+
+def test_test_split_shorter_than_a_window_names_the_fix(tmp_path: Path):
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("x = 1\n" * 5000)
+    held_out = tmp_path / "val.txt"
+    held_out.write_text("y" * (8 * 32 + 10))  # the validation windows, and 9 bytes after them
+    dm = make_dm(paths=[str(corpus)], val_paths=[str(held_out)])
+    with pytest.raises(ValueError, match="the test split has 10 tokens after the 8 validation"):
+        dm.test_dataloader()

@@ -1,4 +1,5 @@
-"""Shared test set-up: W&B offline and quiet, the ``cuda`` marker skipped without CUDA, and
+"""Shared test set-up: W&B offline and quiet, the command's help cache in a temporary folder,
+the ``cuda`` marker skipped without CUDA, and
 ``LIGHTNING_SPARSE_PRETEND_CUDA=1`` to run the suite as Lightning sees a GPU machine
 (``tests/pretend_cuda/pretend_cuda.py``).
 
@@ -8,8 +9,11 @@ workflows, distributed), ``wse/`` (the device), ``app/`` (CLI, recipes, docs), `
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,10 @@ import torch
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# The command's help cache (`lightning_sparse.app.help_cache`) in a folder of this session, not
+# the user's ~/.cache: this process and every one a test starts.
+os.environ["LIGHTNING_SPARSE_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="lightning_sparse_cache_")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 
 PRETEND_CUDA_DIR = Path(__file__).resolve().parent / "pretend_cuda"
 if os.environ.get("LIGHTNING_SPARSE_PRETEND_CUDA", "").strip() not in ("", "0"):

@@ -37,8 +37,8 @@ from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
+from ..install import install
 from ..layouts import as_out_in, is_in_out
-from ..mask_batches import by_key, update_figures
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
@@ -496,69 +496,16 @@ class SparsityAlgorithm(ABC):
         return mask.t() if name in self.in_out_params else mask
 
     def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
-        """Copy ``masks`` into the mask buffers, prune the weights, record ``dropped`` /
-        ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host sync) and tell
-        the observers; gradients and optimizer state are pruned again before the step."""
-        stats: dict[str, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            keys = {n: self._stack_key(n, m) for n, m in masks.items()}
-            for names in by_key(keys):
-                if keys[names[0]] == (names[0],):
-                    self._install_one(names[0], masks[names[0]], stats)
-                else:
-                    self._install_stacked(names, masks, stats)
-            self.hooks.prune([self.sparse_params[n] for n in masks])  # one pass
+        """Copy ``masks`` into the mask buffers and prune the weights (`install`), record
+        ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host
+        sync) and tell the observers; gradients and optimizer state are pruned again before the
+        step."""
+        stats = install(self.sparse_params, masks, self.hooks)
         self.last_update, self.unlogged_update = stats, True
         self.mask_targets.update({n: targets[n] for n in masks})
         self.hooks.changed()
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
         self.observers.emit_update(self, self.step, stats)
-
-    def _stack_key(self, name: str, mask: torch.Tensor) -> tuple[Any, ...]:
-        """Masks installed together share this key: shape, device, ITOP; a sharded one alone."""
-        sp = self.sparse_params[name]
-        if is_sharded(sp.mask) or is_sharded(mask):
-            return (name,)
-        return (tuple(mask.shape), mask.device, sp.ever_active is not None)
-
-    def _install_one(self, name: str, mask: torch.Tensor, stats: dict[str, dict]) -> None:
-        """Install the new ``mask`` of ``name`` alone (a sharded one)."""
-        sp = self.sparse_params[name]
-        old = sp.mask
-        stats[name] = {
-            "dropped": full((old & ~mask).count_nonzero()),
-            "grown": full((mask & ~old).count_nonzero()),
-        }
-        old.copy_(mask)
-        ever = sp.ever_active
-        if ever is not None:
-            ever |= mask
-            stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
-        stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
-
-    def _install_stacked(
-        self, names: list[str], masks: dict[str, torch.Tensor], stats: dict[str, dict]
-    ) -> None:
-        """Install the new ``masks`` of ``names`` (one `_stack_key`): their figures over the
-        stacked masks (`mask_batches.update_figures`) and one fused copy."""
-        sps = [self.sparse_params[n] for n in names]
-        new = [masks[n] for n in names]
-        evers = [sp.ever_active for sp in sps]
-        tracked = [e for e in evers if e is not None]
-        figures = update_figures(
-            torch.stack([full(sp.mask) for sp in sps]),
-            torch.stack([full(m) for m in new]),
-            tracked if tracked else None,
-        )
-        torch._foreach_copy_([sp.mask for sp in sps], new)
-        numel = new[0].numel()
-        sparsity = 1.0 - figures.kept / numel
-        itop = figures.ever / numel if figures.ever is not None else None
-        for i, name in enumerate(names):
-            stats[name] = {"dropped": figures.dropped[i], "grown": figures.grown[i]}
-            if itop is not None:
-                stats[name]["itop"] = itop[i]
-            stats[name]["sparsity"] = sparsity[i]
 
     def name_of(self, p: torch.Tensor) -> str:
         """Full name of the parameter ``update_mask`` is working on."""

@@ -16,7 +16,8 @@ from typing import Any, ClassVar
 import torch
 
 from .. import held, validate
-from ..mask_batches import by_key, drop_count
+from ..install import by_key
+from ..mask_batches import drop_count
 from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random, row_counts
 from ..schedules import ScheduleSpec, bind
 from ..shapers import Shaper, Unstructured

@@ -1,4 +1,4 @@
-"""`mask_batches.update_figures` and `mask_ops.row_counts`: the same counts on the CPU's path
+"""`install.update_figures` and `mask_ops.row_counts`: the same counts on the CPU's path
 (``count_nonzero`` per weight) and on a GPU's (one reduction over the stack), and no sum of
 bools on the CPU."""
 
@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_sparse.core import masking
-from lightning_sparse.core.mask_batches import update_figures
+from lightning_sparse.core.install import update_figures
 from lightning_sparse.core.mask_ops import row_counts
 
 
@@ -62,9 +62,9 @@ def test_update_figures_count_exactly_on_either_path(
         monkeypatch.setattr(
             masking, "FUSED_FOREACH_DEVICES", {*masking.FUSED_FOREACH_DEVICES, "cpu"}
         )
-        import lightning_sparse.core.mask_batches as mask_batches
+        import lightning_sparse.core.install as install
 
-        monkeypatch.setattr(mask_batches, "FUSED_FOREACH_DEVICES", masking.FUSED_FOREACH_DEVICES)
+        monkeypatch.setattr(install, "FUSED_FOREACH_DEVICES", masking.FUSED_FOREACH_DEVICES)
     old, new, ever = _masks(0)
     expected = _reference(old, new, [e.clone() for e in ever])
     figures = update_figures(old, new, ever)

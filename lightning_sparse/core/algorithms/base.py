@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -32,7 +31,15 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import applied, ddp_ignore, held, report, validate
-from ..apply_checks import check_candidates, check_mask, check_optimizer, check_shaper
+from ..apply_checks import check_candidates, check_optimizer, check_shaper
+from ..apply_model import (
+    attach,
+    commit_masks,
+    detach,
+    initial_mask,
+    log_orphans,
+    model_apply_visits_child,
+)
 from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
@@ -61,7 +68,7 @@ from ..sharding import full, is_sharded, local, shard_like
 from ..sparse_parameter import SparseParameter
 from .registry import register_algorithm
 
-__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm", "model_apply_visits_child"]
+__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
 
 log = logging.getLogger("lightning_sparse")
 _counter = itertools.count()
@@ -318,15 +325,7 @@ class SparsityAlgorithm(ABC):
         )
         self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
         self.check_range(self.horizon())
-        if orphans:
-            log.info(
-                "%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from "
-                "a checkpoint or copied): replaced by this algorithm's initial masks (%s)",
-                self.name,
-                len(orphans),
-                orphans[0],
-                getattr(self.init_method, "__name__", self.init_method),
-            )
+        log_orphans(self.name, orphans, self.init_method)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
@@ -334,14 +333,8 @@ class SparsityAlgorithm(ABC):
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self._applied_seed(), 0, name, param.device)
-        dense = full(param.detach())
-        in_out = name in self.in_out_params  # GPT-2 Conv1D: shapers see [out, in]
-        view = dense.t() if in_out else dense
-        mask = self.init_method(
-            view, self.initial_target(name), generator=generator, shaper=self.shaper
-        )
-        mask = check_mask(mask, view, name, self.init_method)
-        return shard_like(mask.t().contiguous() if in_out else mask, param)
+        target, in_out = self.initial_target(name), name in self.in_out_params
+        return initial_mask(name, param, self.init_method, target, generator, self.shaper, in_out)
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -352,42 +345,18 @@ class SparsityAlgorithm(ABC):
     ) -> list[SparseParameter]:
         """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
         raise. Reversible (`detach`) until `commit` prunes."""
-        sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
-        # Masks no algorithm owns, and whether each was in the module's state_dict (persistent).
-        replaced = {
-            sp.name: (sp.mask, sp.mask_name not in sp.module._non_persistent_buffers_set)
-            for sp in sps
-            if sp.has_mask
-        }
-        try:
-            for sp, mask in zip(sps, masks, strict=True):
-                sp.register_mask(mask)
-            self.hooks.install(root, sps)
-        except BaseException:
-            self.detach(sps)
-            for sp in sps:
-                if sp.name in replaced:
-                    mask, persistent = replaced[sp.name]
-                    sp.module.register_buffer(sp.mask_name, mask, persistent=persistent)
-            raise
-        return sps
+        return attach(root, chosen, masks, self.hooks)
 
     def detach(self, sps: list[SparseParameter]) -> None:
         """Undo `attach`."""
-        self.hooks.remove()
-        for sp in sps:
-            sp.remove_mask()
+        detach(sps, self.hooks)
 
     def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
         """Prune the attached parameters: from here this algorithm owns them. Their masks leave
         DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
         self.root = root
         self.sparse_params.update((sp.name, sp) for sp in sps)
-        with torch.no_grad():
-            for sp in sps:
-                sp.prune_()
-                if self.track_itop:
-                    sp.register_ever_active(sp.mask.clone())
+        commit_masks(sps, self.track_itop)
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
@@ -662,22 +631,3 @@ class SparsityAlgorithm(ABC):
 
 DynamicSparsityAlgorithm = SparsityAlgorithm
 """The name earlier versions gave the base of dynamic algorithms; one base serves all now."""
-
-
-def model_apply_visits_child() -> bool:
-    """Whether the caller (an algorithm's ``__call__``) runs inside ``model.apply`` for a module
-    below the one ``model.apply`` was called on.
-
-    ``model.apply(fn)`` calls ``fn`` on every submodule, children first and the model last, and
-    gives ``fn`` no other sign of which call is the model's. No rule over the calls seen so far can
-    tell: after the calls for ``Sequential(Linear)``'s walk, the walk of
-    ``Sequential(Sequential(Linear))`` has made the same calls and one is still to come, and
-    acting early would prune under names (``"0.weight"`` for ``"0.0.weight"``) whose masks differ,
-    which only a copy of the weights could undo. The interpreter's stack does tell: the call is a
-    child's when ``Module.apply`` called it from inside another ``Module.apply``.
-    """
-    caller = sys._getframe(2)  # 0: here, 1: __call__, 2: who called __call__
-    if caller.f_code is not nn.Module.apply.__code__:
-        return False  # called directly: sparsity(model)
-    outer = caller.f_back
-    return outer is not None and outer.f_code is nn.Module.apply.__code__

@@ -24,11 +24,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import report
+from ..apply_model import model_apply_visits_child
 from ..filters import ParamFilter, PatternFilter, make_param_filter, unselected_patterns
 from ..observers import SparsityHook, UpdateHook
 from ..rng import resolve_seed
 from ..selection import Candidate, candidates, default_dense_ids, default_selects
-from .base import SparsityAlgorithm, model_apply_visits_child
+from .base import SparsityAlgorithm
 
 __all__ = ["Group"]
 

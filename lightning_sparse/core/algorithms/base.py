@@ -40,7 +40,6 @@ from ..apply_model import (
     log_orphans,
     model_apply_visits_child,
 )
-from ..bitpack import pack_bits
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
@@ -50,7 +49,16 @@ from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
-from ..saved_state import Expected, check_state, saved_ever_active, saved_masks, saved_targets
+from ..saved_state import (
+    Expected,
+    check_state,
+    pack_state,
+    restore_ever_active_,
+    restore_masks_,
+    saved_ever_active,
+    saved_masks,
+    saved_targets,
+)
 from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import (
     HyperParameterSchedule,
@@ -64,7 +72,7 @@ from ..schedules import (
 )
 from ..selection import Candidate, select
 from ..shapers import Shaper, Unstructured
-from ..sharding import full, is_sharded, local, shard_like
+from ..sharding import full, is_sharded, shard_like
 from ..sparse_parameter import SparseParameter
 from .registry import register_algorithm
 
@@ -551,20 +559,16 @@ class SparsityAlgorithm(ABC):
         (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
         ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
         are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
-        params = self.sparse_params
-        state: dict[str, Any] = {
-            "step": self.step,
-            "last_update_step": self.last_update_step,
-            "seed": self.seed,
-            "algorithm": type(self).__name__.lower(),
-            "params": {name: list(sp.mask.shape) for name, sp in params.items()},
-            "config": self.config(),
-            "masks": {name: pack_bits(full(sp.mask)).cpu() for name, sp in params.items()},
-            "removed": self.removed,
-        }
-        if ever := self.ever_active:  # packed like the masks: on the CPU, 1 bit per weight
-            state["ever_active"] = {n: pack_bits(full(m)).cpu() for n, m in ever.items()}
-        return state
+        return pack_state(
+            step=self.step,
+            last_update_step=self.last_update_step,
+            seed=self.seed,
+            kind=type(self).__name__.lower(),
+            masks={name: sp.mask for name, sp in self.sparse_params.items()},
+            config=self.config(),
+            removed=self.removed,
+            ever_active=self.ever_active,
+        )
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
         """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
@@ -595,22 +599,9 @@ class SparsityAlgorithm(ABC):
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
         self.seed = state.get("seed", self.seed)
-        ever = self.ever_active
-        for name, mask in saved_ever_active(state).items():
-            if name in ever:
-                ever[name].copy_(shard_like(mask.to(ever[name].device), ever[name]))
+        restore_ever_active_(self.ever_active, saved_ever_active(state))
         unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
-        with torch.no_grad():
-            for name, sp in self.sparse_params.items():
-                if name not in masks and not removed:
-                    continue  # an earlier version's state: the masks came with the model
-                if name in unpruned:
-                    unpruned[name].put_back_(sp.param, local(sp.param))
-                if removed:
-                    sp.mask.fill_(True)
-                else:
-                    sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
-                sp.prune_()
+        restore_masks_(self.sparse_params, masks, removed, unpruned)
         self.mask_targets.update(targets)
         self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
         self.hooks.changed()

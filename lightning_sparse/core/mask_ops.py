@@ -21,9 +21,13 @@ import math
 import torch
 from torch import Tensor
 
+from . import masking
+
 _INF = float("inf")
 # Rows at least this long, on the CPU, take the sampled selection (tests lower it to 1).
 HOST_SELECT_MIN = 1 << 14
+# Masks of at least this many entries in such rows are counted row by row on the CPU (`row_counts`).
+COUNT_BY_ROW_MIN = 1 << 20
 _SAMPLE = 4096  # about this many sampled scores bound the threshold
 
 
@@ -76,7 +80,7 @@ def topk_mask(score: Tensor, k: int | Tensor) -> Tensor:
     if k == 0 or k == n:
         return torch.full_like(score, k == n, dtype=torch.bool)
     score = _without_nan(score)
-    if _host_select(score):
+    if host_select(score):
         return _top_mask(score.reshape(-1), k, None, n).reshape(score.shape)
     # The k-th largest equals the (n - k + 1)-th smallest: select whichever side is shorter.
     if k <= n - k + 1:
@@ -100,9 +104,26 @@ def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
 
 
 def row_counts(masks: Tensor, keepdim: bool = False) -> Tensor:
-    """True entries per row of bool ``masks [..., n]``, int32 ``[...]`` (``n < 2**31``): summed
-    as bytes into int32, without the int64 copy of every entry a sum of bools makes (about half
-    the time on the CPU)."""
+    """True entries per row of bool ``masks [..., n]``, int32 ``[...]`` (``n < 2**31``).
+
+    The one row count of the package (top-k's ties, drop-and-grow's kept counts, an update's
+    figures). One reduction: the bytes summed into int32, without the int64 copy of every entry
+    a sum of bools makes. Where each op is not a kernel launch (the CPU,
+    `masking.FUSED_FOREACH_DEVICES`), rows of ``HOST_SELECT_MIN`` or more in masks of
+    ``COUNT_BY_ROW_MIN`` entries or more (an update's stacked masks) are counted one by one
+    with ``count_nonzero`` instead: a row-wise byte sum of that size is a type-converting loop
+    there, several times slower (benchmarks/README.md, "Row counts on the CPU").
+    """
+    n = masks.shape[-1]
+    if (
+        masks.device.type not in masking.FUSED_FOREACH_DEVICES
+        and n >= HOST_SELECT_MIN
+        and masks.numel() >= COUNT_BY_ROW_MIN
+    ):
+        rows = masks.reshape(-1, n).unbind(0)
+        counts = torch.stack([row.count_nonzero() for row in rows]).to(torch.int32)
+        counts = counts.reshape(masks.shape[:-1])
+        return counts.unsqueeze(-1) if keepdim else counts
     return masks.view(torch.uint8).sum(-1, keepdim=keepdim, dtype=torch.int32)
 
 
@@ -120,8 +141,10 @@ def _keep_threshold(
     return above | (ties & (ties.cumsum(-1, dtype=torch.int32) <= needed))
 
 
-def _host_select(t: Tensor) -> bool:
-    """Whether ``t`` ([..., n]) is one CPU row long enough for the sampled selection."""
+def host_select(t: Tensor) -> bool:
+    """Whether top-k over ``t`` (``[..., n]``) takes the sampled selection: one CPU row (a
+    single row, not a batch of them: each row keeps its own ``k``) of ``HOST_SELECT_MIN`` or
+    more."""
     return t.device.type == "cpu" and t.shape[-1] >= HOST_SELECT_MIN and t.numel() == t.shape[-1]
 
 
@@ -256,7 +279,7 @@ def drop_and_grow(
         _check_int("drop_and_grow n_drop", n_drop, 0, n)
     if not isinstance(n_total, Tensor):
         _check_int("drop_and_grow n_total", n_total, 0, n)
-    if isinstance(n_drop, int) and isinstance(n_total, int) and _host_select(mask):
+    if isinstance(n_drop, int) and isinstance(n_total, int) and host_select(mask):
         return _drop_and_grow_host(drop_score, grow_score, mask, n_drop, n_total)
     # 1. Drop the n_drop weakest active positions. Flipped so that among equal scores the
     #    higher index is dropped first, i.e. the survivors are the top scores, ties to the lower
@@ -333,7 +356,7 @@ def drop_and_grow_random(
         and isinstance(n_total, int)
         and drop_score.shape == mask.shape
         and mask.dtype == torch.bool
-        and _host_select(mask)
+        and host_select(mask)
     ):
         _check_int("drop_and_grow n_drop", n_drop, 0, mask.shape[-1])
         _check_int("drop_and_grow n_total", n_total, 0, mask.shape[-1])

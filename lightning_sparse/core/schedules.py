@@ -375,6 +375,28 @@ def first_undefined_use(
     return min(uses, default=None)
 
 
+def check_schedule(
+    schedule: HyperParameterSchedule,
+    what: str,
+    cadence: UpdateSchedule,
+    horizon: int,
+    extra: Iterable[int],
+    check: Callable[..., float],
+) -> None:
+    """Check the values of ``schedule`` used in ``[0, horizon]`` (`steps_to_check`) with
+    ``check``, the validator of their kind (`validate.sparsity`, `validate.drop_fraction`), and
+    refuse a schedule that fails at any later update step (`first_undefined_use`).
+
+    Raises:
+        ValueError: a value out of range or not finite, naming ``what``, the step and the fix.
+    """
+    for step in steps_to_check(cadence, horizon, extra):
+        check(evaluate(schedule, step, what), step=step, schedule=schedule)
+    undefined = first_undefined_use(schedule, cadence, extra)
+    if undefined is not None:
+        evaluate(schedule, undefined, what)  # raises naming the step (the overflow)
+
+
 # --------------------------------------------------------------------------------------------
 # What algorithms accept
 # --------------------------------------------------------------------------------------------

@@ -286,8 +286,9 @@ def sparsity_hparams(
         "params": len(sparsity.sparse_params),
         "seed": sparsity.seed,
     }
-    if sparsity.drop_fraction is not None:
-        settings["drop_fraction"] = _schedule_value(sparsity.drop_fraction)
+    drop_fraction = getattr(sparsity, "drop_fraction", None)  # drop-and-grow algorithms
+    if drop_fraction is not None:
+        settings["drop_fraction"] = _schedule_value(drop_fraction)
     return {f"{prefix}/{key}": value for key, value in settings.items()}
 
 

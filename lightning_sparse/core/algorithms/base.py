@@ -61,14 +61,12 @@ from ..saved_state import (
 )
 from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import (
-    HyperParameterSchedule,
     ScheduleSpec,
     UpdateSpec,
     bind,
+    check_schedule,
     evaluate,
-    first_undefined_use,
     make_update_schedule,
-    steps_to_check,
 )
 from ..selection import Candidate, select
 from ..shapers import Shaper, Unstructured
@@ -148,7 +146,6 @@ class SparsityAlgorithm(ABC):
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
         self._current = ""  # the parameter update_mask works on (name_of)
-        self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
         self.hooks = StepHooks(
             self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
@@ -203,16 +200,6 @@ class SparsityAlgorithm(ABC):
         """True while backward must keep the gradient dense for this step's update."""
         return self.needs_dense_grad and self._update_may_be_due()
 
-    def grow_candidates(self, name: str) -> int | None:
-        """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
-        this step's update can grow at most, if it reads the dense gradient there only through
-        their rank by ``|grad|`` (ties to the lower index); None when it reads more of it.
-
-        A device that does not hold the dense gradient (`wse`, compact layers) then keeps only
-        the gradient at the kept positions and at these top candidates. Default: None.
-        """
-        return None
-
     def target_sparsity(self, name: str, step: int) -> float:
         """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
         value = evaluate(self.sparsity, step, "sparsity")
@@ -222,17 +209,6 @@ class SparsityAlgorithm(ABC):
     def initial_target(self, name: str) -> float:
         """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
         return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
-
-    def drop_fraction_at(self, step: int) -> float:
-        """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
-        schedule = self.drop_fraction
-        if schedule is None:
-            raise TypeError(
-                f"{type(self).__name__} has no drop_fraction: only drop-and-grow algorithms "
-                "(SET, RigL, GraNet) replace weights"
-            )
-        value = evaluate(schedule, step, "drop_fraction")
-        return validate.drop_fraction(value, step=step, schedule=schedule)
 
     def horizon(self) -> int:
         """The last step known without the run's length: the cadence's or the ramp's end (the
@@ -245,19 +221,9 @@ class SparsityAlgorithm(ABC):
         that no schedule overflows at any later update step (an ``Exp`` with gamma > 0): run when
         built, by the Lightning layer up to ``max_steps``, and on every value when used."""
         extra = (0, *self.milestones())
-        for step in steps_to_check(self.update_schedule, horizon, extra):
-            value = evaluate(self.sparsity, step, "sparsity")
-            validate.sparsity(value, step=step, schedule=self.sparsity)
-            if self.drop_fraction is not None:
-                self.drop_fraction_at(step)
-        for what, schedule in (("sparsity", self.sparsity), ("drop_fraction", self.drop_fraction)):
-            undefined = (
-                None
-                if schedule is None
-                else first_undefined_use(schedule, self.update_schedule, extra)
-            )
-            if schedule is not None and undefined is not None:
-                evaluate(schedule, undefined, what)  # raises naming the step (the overflow)
+        check_schedule(
+            self.sparsity, "sparsity", self.update_schedule, horizon, extra, validate.sparsity
+        )
 
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
@@ -332,7 +298,6 @@ class SparsityAlgorithm(ABC):
             owned=applied.owned_masks(),
         )
         self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
-        self.check_range(self.horizon())
         log_orphans(self.name, orphans, self.init_method)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
@@ -545,13 +510,11 @@ class SparsityAlgorithm(ABC):
     # ------------------------------------------------------------------ checkpoints
     def config(self) -> dict[str, str]:
         """What a checkpoint must agree on to be resumed (reprs stable across processes)."""
-        drop = self.drop_fraction
         return {
             "sparsity": repr(self.sparsity),
             "update": repr(self.update_schedule),
             "shaper": repr(self.shaper),
             "distribution": self.layers.name,
-            **({"drop_fraction": repr(drop)} if drop is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:

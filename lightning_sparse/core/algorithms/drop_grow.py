@@ -4,27 +4,36 @@ At each update the smallest-|w| ``drop_fraction`` of the active weights is dropp
 are grown back where ``grow_score`` is highest (Mocanu et al. 2018; Evci et al. 2020). An
 algorithm is its grow score (`set.py`: random; `rigl.py`: |dense gradient|) plus, for GraNet
 (`granet.py`), ``prune_to_target``: its schedule rises, so the surplus above the new target is
-dropped first. The counts, per row of the shaper's ``[groups, n]`` view, are
-`shaped_drop_and_grow`'s.
+dropped first. The counts, per row of the shaper's ``[groups, n]`` view, are `drop_count`'s,
+the one rule of how many weights an update drops, used by the per-weight path
+(`shaped_drop_and_grow`), the stacked path (`DropAndGrow.compute_masks`) and the grow count a
+device asks for (`DropAndGrow.grow_candidates`).
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
 from .. import held, validate
 from ..install import by_key
-from ..mask_batches import drop_count
-from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random, row_counts
-from ..schedules import ScheduleSpec, bind
+from ..mask_ops import drop_and_grow, drop_and_grow_random, host_select, row_counts
+from ..schedules import (
+    HyperParameterSchedule,
+    ScheduleSpec,
+    UpdateSpec,
+    bind,
+    check_schedule,
+    evaluate,
+    make_update_schedule,
+)
 from ..shapers import Shaper, Unstructured
 from ..sharding import is_sharded
 from .base import SparsityAlgorithm
 
-__all__ = ["DropAndGrow", "dense_grad_score", "shaped_drop_and_grow"]
+__all__ = ["DropAndGrow", "dense_grad_score", "drop_count", "shaped_drop_and_grow"]
 
 
 class DropAndGrow(SparsityAlgorithm):
@@ -34,26 +43,55 @@ class DropAndGrow(SparsityAlgorithm):
         sparsity: target sparsity or schedule (see ``SparsityAlgorithm``).
         drop_fraction: share of active weights replaced per update, in [0, 1]; a float or a
             schedule (e.g. ``{"type": "cosine", "init": 0.3, "half_period": 3584}``).
-        **kwargs: see ``SparsityAlgorithm`` (``update``, ``init_method``, ``shaper``, ...).
+        update: when masks change (see ``SparsityAlgorithm``).
+        **kwargs: see ``SparsityAlgorithm`` (``init_method``, ``shaper``, ...).
     """
 
     prune_to_target: ClassVar[bool] = False  # GraNet: drop the surplus above the target first
     grows_by_grad_magnitude: ClassVar[bool] = False  # RigL, GraNet: grow_score is |dense grad|
 
     def __init__(
-        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+        self,
+        sparsity: ScheduleSpec,
+        drop_fraction: ScheduleSpec = 0.3,
+        update: UpdateSpec = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(sparsity, **kwargs)
-        self.drop_fraction = bind(
-            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
+        cadence = make_update_schedule(update)
+        # Bound before the base checks the range (once, when built), the drop fraction with it.
+        self.drop_fraction: HyperParameterSchedule = bind(
+            drop_fraction, cadence, False, check=validate.drop_fraction
         )
-        self.check_range(self.horizon())
+        super().__init__(sparsity, cadence, **kwargs)
         self._count_ranges: dict[str, tuple[int, int]] = {}  # read once per update
 
     @abstractmethod
     def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
         """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
         (uniformly at random)."""
+
+    def drop_fraction_at(self, step: int) -> float:
+        """The drop fraction at ``step``, checked to be in [0, 1]."""
+        value = evaluate(self.drop_fraction, step, "drop_fraction")
+        return validate.drop_fraction(value, step=step, schedule=self.drop_fraction)
+
+    def check_range(self, horizon: int) -> None:
+        """The base's checks, and the drop fraction's: in [0, 1] at every update step in
+        ``[0, horizon]``, finite at every later one."""
+        super().check_range(horizon)
+        extra = (0, *self.milestones())
+        check_schedule(
+            self.drop_fraction,
+            "drop_fraction",
+            self.update_schedule,
+            horizon,
+            extra,
+            validate.drop_fraction,
+        )
+
+    def config(self) -> dict[str, str]:
+        """The base's, and the drop fraction's repr."""
+        return {**super().config(), "drop_fraction": repr(self.drop_fraction)}
 
     def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
         """The masks of same-shape weights at one target computed together, over their stack
@@ -67,7 +105,9 @@ class DropAndGrow(SparsityAlgorithm):
         for group, stack, (lows, highs) in zip(
             groups, stacks, _row_count_ranges(stacks), strict=True
         ):
-            if len(group) > 1 and len({*lows, *highs}) == 1 and not _host_select(stack[0]):
+            # Stacked only where every row keeps one count (top-k then takes an int k per stack)
+            # and a row is not one long CPU row (its sampled selection is faster per weight).
+            if len(group) > 1 and len({*lows, *highs}) == 1 and not host_select(stack[0]):
                 masks.update(self._stacked_masks(group, stack, targets[group[0]], lows[0]))
                 continue
             self._count_ranges = dict(zip(group, zip(lows, highs, strict=True), strict=True))
@@ -110,19 +150,25 @@ class DropAndGrow(SparsityAlgorithm):
         }
 
     def grow_candidates(self, name: str) -> int | None:
-        """The grow count of this step's update of ``name`` (`shaped_drop_and_grow`'s counts,
-        capped at the positions outside the mask), for a ``|grad|`` grow score over one row
-        (the `Unstructured` shaper); None otherwise (see `SparsityAlgorithm.grow_candidates`).
-        One host sync (the mask's count)."""
+        """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
+        this step's update can grow at most, if it reads the dense gradient there only through
+        their rank by ``|grad|`` (ties to the lower index); None when it reads more of it.
+
+        The grow count of `drop_count`, capped at the positions outside the mask, for a
+        ``|grad|`` grow score over one row (the `Unstructured` shaper); None otherwise. A weight
+        whose gradient is held elsewhere (`held`: the device's compact layers) then keeps only
+        the gradient at the kept positions and at these top candidates. One host sync (the
+        mask's count).
+        """
         sp = self.sparse_params[name]
         if not self.grows_by_grad_magnitude or not isinstance(self.shaper, Unstructured):
             return None
         n = sp.mask.numel()
         active = int(sp.nnz)
         n_total = self.shaper.keep_per_row(self.target_sparsity(name, self.step), n)
-        keep_share = 1.0 - min(max(self.drop_fraction_at(self.step), 0.0), 1.0)
-        base = min(active, n_total) if self.prune_to_target else active
-        return min(max(n_total - int(keep_share * base), 0), n - active)
+        drop = self.drop_fraction_at(self.step)
+        kept = active - drop_count(active, n_total, drop, self.prune_to_target)
+        return min(max(n_total - kept, 0), n - active)
 
     def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
         """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""
@@ -181,7 +227,7 @@ def shaped_drop_and_grow(
         drop_fraction: share of the target's active connections replaced, in [0, 1].
         prune_to_target: GraNet: also drop the surplus above the target count by magnitude.
         count_range: the fewest and most kept per row of ``mask``, if the caller read them
-            (`row_count_ranges`); else they are read here (one host sync).
+            (`_row_count_ranges`); else they are read here (one host sync).
 
     Returns:
         bool mask of ``p``'s shape with ``shaper.keep_per_row(sparsity, n)`` kept per row (or
@@ -189,17 +235,13 @@ def shaped_drop_and_grow(
     """
     w2d, m2d = shaper.shape(p.abs()), shaper.shape(mask)
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
-    keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
     counts = row_counts(m2d)
     if count_range is None:
         count_range = (int(counts.amin()), int(counts.amax()))
     low, high = count_range
-    n_drop: int | torch.Tensor
-    if low == high:  # the usual case: ints keep top-k on its fast path
-        n_drop = drop_count(low, n_total, drop_fraction, prune_to_target)
-    else:
-        base_t = counts.clamp(max=n_total) if prune_to_target else counts
-        n_drop = counts - torch.floor(base_t.double() * keep_share).long()
+    # One count for every row (an int keeps top-k on its fast path), or one per row.
+    active: int | torch.Tensor = low if low == high else counts
+    n_drop = drop_count(active, n_total, drop_fraction, prune_to_target)
     if isinstance(grow_score, torch.Generator):
         if m2d.shape[0] == 1:  # one row: random positions are drawn, not a score per weight
             new = drop_and_grow_random(w2d, m2d, n_drop, n_total, grow_score)
@@ -217,3 +259,35 @@ def dense_grad_score(p: torch.Tensor, name: str) -> torch.Tensor:
             "backward before the optimizer step (and don't zero_grad in between)"
         )
     return p.grad.abs()
+
+
+@overload
+def drop_count(active: int, n_total: int, drop_fraction: float, prune_to_target: bool) -> int: ...
+@overload
+def drop_count(
+    active: torch.Tensor, n_total: int, drop_fraction: float, prune_to_target: bool
+) -> torch.Tensor: ...
+def drop_count(
+    active: int | torch.Tensor, n_total: int, drop_fraction: float, prune_to_target: bool
+) -> int | torch.Tensor:
+    """Connections a row with ``active`` kept drops at an update (Cerebras' counts,
+    ``cstorch.sparse`` RigL/SET): ``active - floor((1 - d) * base)``, ``base`` the active
+    count, or with ``prune_to_target`` (GraNet) that count capped at the target ``n_total``;
+    ``d`` clamped to [0, 1].
+
+    Args:
+        active: the row's kept count: an int (every row alike), or an integer tensor of one
+            count per row (``[groups]``).
+        n_total: the row's target count after the update.
+        drop_fraction: the share of the active (or target) count replaced.
+        prune_to_target: GraNet: the surplus above ``n_total`` is dropped on top.
+
+    Returns:
+        An int for an int ``active``; else an int64 tensor of ``active``'s shape.
+    """
+    keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
+    if isinstance(active, torch.Tensor):
+        base = active.clamp(max=n_total) if prune_to_target else active
+        return active - torch.floor(base.double() * keep_share).long()
+    base_count = min(active, n_total) if prune_to_target else active
+    return active - int(keep_share * base_count)

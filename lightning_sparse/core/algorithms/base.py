@@ -1,6 +1,6 @@
 """`SparsityAlgorithm`: the one base of every algorithm; it owns masks, ``step`` and the rule.
 
-An algorithm is one method, ``update_mask(p, mask, sparsity) -> mask``, over this base: a
+An algorithm is one method, ``update_mask(name, p, mask, sparsity) -> mask``, over this base: a
 sparsity schedule, an update cadence (Cerebras: ``{"freq", "start", "stop"}``, stop exclusive;
 ``{"steps": [...]}``; a callable; ``None`` = every step; training starts sparse when step 0 is an
 update step), the initial mask, the layer distribution and the structure (shaper). ``step``
@@ -78,6 +78,8 @@ __all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
 
 log = logging.getLogger("lightning_sparse")
 _counter = itertools.count()
+# The rule's signature: (name, p, mask, sparsity) -> new mask (`SparsityAlgorithm.update_mask`).
+Rule = Callable[[str, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class SparsityAlgorithm(ABC):
@@ -145,7 +147,6 @@ class SparsityAlgorithm(ABC):
         # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `check_candidates`. The
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
-        self._current = ""  # the parameter update_mask works on (name_of)
         self.observers = Observers()
         self.hooks = StepHooks(
             self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
@@ -155,8 +156,21 @@ class SparsityAlgorithm(ABC):
 
     # ------------------------------------------------------------------ the rule (subclasses)
     @abstractmethod
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """New bool mask for ``p`` (any shape, ``.grad`` set), current ``mask``, at ``sparsity``."""
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
+        """The rule: the new bool mask of the parameter ``name``.
+
+        Args:
+            name: the parameter's full name (for its random stream, `generator`, and messages).
+            p: its values, whole and ``[out, in]`` (a shard gathered, a parameter stored
+                ``[in, out]`` transposed), ``.grad`` set when the update reads a gradient.
+            mask: its current mask, the same view.
+            sparsity: its target sparsity after the update (the schedule, spread per layer).
+
+        Returns:
+            A bool mask of ``p``'s shape.
+        """
 
     def milestones(self) -> tuple[int, ...]:
         """Steps that are update steps whatever the cadence (none by default)."""
@@ -419,16 +433,17 @@ class SparsityAlgorithm(ABC):
                 masks[name] = self.mask_of(name, targets[name])
         return masks
 
-    def mask_of(self, name: str, target: float) -> torch.Tensor:
-        """``name``'s new mask by ``update_mask`` at sparsity ``target``."""
+    def mask_of(self, name: str, target: float, rule: Rule | None = None) -> torch.Tensor:
+        """``name``'s new mask at sparsity ``target`` by ``rule`` (default: `update_mask`),
+        which sees the parameter and its mask as `update_mask` does (`rule_view`)."""
         param = self.sparse_params[name].param
         p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
         if is_sharded(param):
             p = full(param.detach())
             p.grad = full(param.grad) if param.grad is not None else None
-        self._current = name
         flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
-        new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), target)
+        rule = self.update_mask if rule is None else rule
+        new = rule(name, as_out_in(p) if flip else p, self.rule_view(name), target)
         return shard_like(new.t().contiguous() if flip else new, param)
 
     def rule_view(self, name: str) -> torch.Tensor:
@@ -449,13 +464,10 @@ class SparsityAlgorithm(ABC):
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
         self.observers.emit_update(self, self.step, stats)
 
-    def name_of(self, p: torch.Tensor) -> str:
-        """Full name of the parameter ``update_mask`` is working on."""
-        return self._current
-
-    def generator(self, p: torch.Tensor) -> torch.Generator:
-        """Random stream for ``p`` at this step: the same on every rank and after a resume."""
-        return generator_for(self._applied_seed(), self.step, self.name_of(p), p.device)
+    def generator(self, name: str, device: torch.device) -> torch.Generator:
+        """The random stream of the parameter ``name`` at this step, on ``device``: the same on
+        every rank and after a resume (`rng.generator_for`)."""
+        return generator_for(self._applied_seed(), self.step, name, device)
 
     def _applied_seed(self) -> int:
         """The seed ``apply`` resolved (``seed=None``: the experiment's)."""

@@ -2,16 +2,17 @@
 
 At each update the smallest-|w| ``drop_fraction`` of the active weights is dropped and as many
 are grown back where ``grow_score`` is highest (Mocanu et al. 2018; Evci et al. 2020). An
-algorithm is its grow score (`set.py`: random; `rigl.py`: |dense gradient|) plus, for GraNet
-(`granet.py`), ``prune_to_target``: its schedule rises, so the surplus above the new target is
-dropped first. The counts, per row of the shaper's ``[groups, n]`` view, are `drop_count`'s,
-the one rule of how many weights an update drops, used by the per-weight path
-(`shaped_drop_and_grow`), the stacked path (`DropAndGrow.compute_masks`) and the grow count a
-device asks for (`DropAndGrow.grow_candidates`).
+algorithm is its grow score, a tensor of the weight's shape (`set.py`: uniform random;
+`rigl.py`: |dense gradient|) plus, for GraNet (`granet.py`), ``prune_to_target``: its schedule
+rises, so the surplus above the new target is dropped first. The counts, per row of the
+shaper's ``[groups, n]`` view, are `drop_count`'s: the one rule of how many weights an update
+drops, used by the per-weight path (`shaped_drop_and_grow`), the stacked path
+(`DropAndGrow.compute_masks`) and the grow count a device asks for (`grow_candidates`).
 """
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from typing import Any, ClassVar, overload
 
@@ -19,7 +20,7 @@ import torch
 
 from .. import held, validate
 from ..install import by_key
-from ..mask_ops import drop_and_grow, drop_and_grow_random, host_select, row_counts
+from ..mask_ops import drop_and_grow, host_select, row_counts
 from ..schedules import (
     HyperParameterSchedule,
     ScheduleSpec,
@@ -63,12 +64,11 @@ class DropAndGrow(SparsityAlgorithm):
             drop_fraction, cadence, False, check=validate.drop_fraction
         )
         super().__init__(sparsity, cadence, **kwargs)
-        self._count_ranges: dict[str, tuple[int, int]] = {}  # read once per update
 
     @abstractmethod
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
-        """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
-        (uniformly at random)."""
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """Where to grow in the parameter ``name``: a score of ``p``'s shape, higher grows first
+        (``p`` as `update_mask` sees it)."""
 
     def drop_fraction_at(self, step: int) -> float:
         """The drop fraction at ``step``, checked to be in [0, 1]."""
@@ -95,9 +95,10 @@ class DropAndGrow(SparsityAlgorithm):
 
     def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
         """The masks of same-shape weights at one target computed together, over their stack
-        (`mask_batches`: a few kernels per shape, not per weight; each weight gets the mask it
-        gets alone), the others one by one (`mask_of`). Every mask's fewest and most kept per
-        row are read to the host in one transfer first: one host sync per update."""
+        (a few kernels per shape, not per weight: top-k and drop-and-grow work row by row, so each
+        weight gets the mask it gets alone), the others one by one (`mask_of`). Every mask's
+        fewest and most kept per row are read to the host in one transfer first: one host sync
+        per update."""
         names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
         groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
         stacks = [torch.stack([self.shaper.shape(self.rule_view(n)) for n in g]) for g in groups]
@@ -110,11 +111,9 @@ class DropAndGrow(SparsityAlgorithm):
             if len(group) > 1 and len({*lows, *highs}) == 1 and not host_select(stack[0]):
                 masks.update(self._stacked_masks(group, stack, targets[group[0]], lows[0]))
                 continue
-            self._count_ranges = dict(zip(group, zip(lows, highs, strict=True), strict=True))
-            try:
-                masks.update({n: self.mask_of(n, targets[n]) for n in group})
-            finally:
-                self._count_ranges = {}
+            for name, low, high in zip(group, lows, highs, strict=True):
+                rule = functools.partial(self.update_mask, count_range=(low, high))
+                masks[name] = self.mask_of(name, targets[name], rule)
         return masks
 
     def _batch_key(self, name: str, target: float) -> tuple[Any, ...]:
@@ -135,13 +134,9 @@ class DropAndGrow(SparsityAlgorithm):
         drop = self.drop_fraction_at(self.step)
         n_drop = drop_count(active, n_total, drop, self.prune_to_target)
         magnitude = torch.stack([p.detach() for p in params]).abs_()
-        scores = []
-        for name, p in zip(names, params, strict=True):
-            self._current = name
-            score = self.grow_score(p)
-            if isinstance(score, torch.Generator):  # SET: the per-weight path's random score
-                score = torch.rand(p.shape, generator=score, device=p.device)
-            scores.append(self.shaper.shape(score))
+        scores = [
+            self.shaper.shape(self.grow_score(n, p)) for n, p in zip(names, params, strict=True)
+        ]
         drop_score = torch.stack([self.shaper.shape(m) for m in magnitude.unbind(0)])
         new = drop_and_grow(drop_score, torch.stack(scores), masks, n_drop, n_total)
         return {
@@ -170,18 +165,20 @@ class DropAndGrow(SparsityAlgorithm):
         kept = active - drop_count(active, n_total, drop, self.prune_to_target)
         return min(max(n_total - kept, 0), n - active)
 
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""
+    def update_mask(
+        self,
+        name: str,
+        p: torch.Tensor,
+        mask: torch.Tensor,
+        sparsity: float,
+        count_range: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`); ``count_range``: the
+        fewest and most kept per row of ``mask``, when `compute_masks` read them already."""
         drop = self.drop_fraction_at(self.step)
+        score = self.grow_score(name, p)
         return shaped_drop_and_grow(
-            self.shaper,
-            p,
-            self.grow_score(p),
-            mask,
-            sparsity,
-            drop,
-            self.prune_to_target,
-            self._count_ranges.get(self.name_of(p)),
+            self.shaper, p, score, mask, sparsity, drop, self.prune_to_target, count_range
         )
 
 
@@ -202,7 +199,7 @@ def _row_count_ranges(stacks: list[torch.Tensor]) -> list[tuple[list[int], list[
 def shaped_drop_and_grow(
     shaper: Shaper,
     p: torch.Tensor,
-    grow_score: torch.Tensor | torch.Generator,
+    grow_score: torch.Tensor,
     mask: torch.Tensor,
     sparsity: float,
     drop_fraction: float,
@@ -220,8 +217,7 @@ def shaped_drop_and_grow(
     Args:
         shaper: maps ``[*shape]`` tensors to ``[groups, n]`` rows that compete independently.
         p: weight, any shape.
-        grow_score: same shape, higher = grow first; or a generator: grow uniformly at random
-            among the positions not kept (``mask_ops.drop_and_grow_random``, SET).
+        grow_score: same shape, higher = grow first (SET: uniform random, RigL: ``|grad|``).
         mask: current bool mask, same shape.
         sparsity: target sparsity after the update.
         drop_fraction: share of the target's active connections replaced, in [0, 1].
@@ -240,13 +236,11 @@ def shaped_drop_and_grow(
         count_range = (int(counts.amin()), int(counts.amax()))
     low, high = count_range
     # One count for every row (an int keeps top-k on its fast path), or one per row.
-    active: int | torch.Tensor = low if low == high else counts
-    n_drop = drop_count(active, n_total, drop_fraction, prune_to_target)
-    if isinstance(grow_score, torch.Generator):
-        if m2d.shape[0] == 1:  # one row: random positions are drawn, not a score per weight
-            new = drop_and_grow_random(w2d, m2d, n_drop, n_total, grow_score)
-            return shaper.unshape(new, p.shape)
-        grow_score = torch.rand(p.shape, generator=grow_score, device=p.device)
+    n_drop: int | torch.Tensor
+    if low == high:
+        n_drop = drop_count(low, n_total, drop_fraction, prune_to_target)
+    else:
+        n_drop = drop_count(counts, n_total, drop_fraction, prune_to_target)
     new = drop_and_grow(w2d, shaper.shape(grow_score), m2d, n_drop, n_total)
     return shaper.unshape(new, p.shape)
 

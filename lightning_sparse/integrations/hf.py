@@ -107,7 +107,7 @@ class SparsityTrainerCallback(TrainerCallback):
             self._restore(model, saved)
         inner = _torch_optimizer(optimizer)
         # The callback calls before_step itself, after the last backward (not the pre-hook).
-        self.sparsity.lightning_driven = True
+        self.sparsity.step_driver = "transformers.Trainer"
         self.sparsity.check_finite = bool(args.fp16)  # a step the scaler skips updates nothing
         for stale in [o for o in self.sparsity.optimizers if o is not inner]:
             self.sparsity.detach_optimizer(stale)  # a previous train()'s optimizer

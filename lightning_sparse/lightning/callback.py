@@ -75,7 +75,7 @@ class SparsityCallback(SparsityStateCallback):
     if TYPE_CHECKING:  # The algorithm's (or Group's) API that the hooks below call.
         name: str
         root: torch.nn.Module | None
-        lightning_driven: bool
+        step_driver: str | None
         check_finite: bool
         unlogged_update: bool
         last_update: dict[str, dict[str, torch.Tensor]]
@@ -116,7 +116,7 @@ class SparsityCallback(SparsityStateCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the optimizers of ``configure_optimizers`` sparse; the callback drives updates."""
         self._apply_once(pl_module)
-        self.lightning_driven = True
+        self.step_driver = "lightning.Trainer"  # before_step from on_before_optimizer_step
         self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
         for stale in [o for o in self.optimizers if all(o is not t for t in trainer.optimizers)]:
             self.detach_optimizer(stale)  # a previous fit's optimizer

@@ -135,7 +135,10 @@ class SparsityAlgorithm(ABC):
         self._skips = SkippedSteps()  # fused steps under a GradScaler, maybe skipped
         self.step = 0
         self.autoupdate = True  # optimizer steps update the masks (False: call update() yourself)
-        self.lightning_driven = False  # set by the Lightning layer: it calls before_step itself
+        # The name of the training loop that calls `before_step` itself, after the last
+        # backward: set by a layer above (the Lightning callback: "lightning.Trainer"; the
+        # transformers Trainer callback); None: the optimizer's step pre-hook calls it.
+        self.step_driver: str | None = None
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
         self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
@@ -372,8 +375,9 @@ class SparsityAlgorithm(ABC):
     # ------------------------------------------------------------------ the step
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
-        the masks on update steps (if ``autoupdate``), prune (`per_step`). Lightning calls it
-        from ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
+        the masks on update steps (if ``autoupdate``), prune (`per_step`). Plain PyTorch calls it
+        from the optimizer's step pre-hook; a training loop that set itself as `step_driver`
+        calls it itself (Lightning from ``on_before_optimizer_step``)."""
         self.hooks.start_step()
         if self.autoupdate:
             self.update(optimizer)
@@ -382,7 +386,7 @@ class SparsityAlgorithm(ABC):
             self.hooks.hold_denominators(optimizer)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.lightning_driven:  # Lightning calls before_step itself, after backward
+        if self.step_driver is None:  # else the loop above calls before_step itself
             self.before_step(optimizer)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

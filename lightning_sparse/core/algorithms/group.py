@@ -232,10 +232,10 @@ class Group:
         lambda self, v: self._set("autoupdate", v),
         doc="Whether optimizer steps update the members' masks.",
     )
-    lightning_driven = property(
-        lambda self: any(a.lightning_driven for a in self),
-        lambda self, v: self._set("lightning_driven", v),
-        doc="Set by the Lightning layer (it calls before_step).",
+    step_driver = property(
+        lambda self: next((a.step_driver for a in self if a.step_driver is not None), None),
+        lambda self, v: self._set("step_driver", v),
+        doc="The training loop that calls the members' before_step (set by a layer above).",
     )
     check_finite = property(
         lambda self: any(a.check_finite for a in self),

@@ -12,8 +12,11 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, OneCycleLR, StepLR
 
 from lightning_sparse.core import GMP, SET, Group, RigL, Static, configure
-from lightning_sparse.core.legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from lightning_sparse.core.schedules import Cycling, FreqSchedule, ListSchedule
+from lightning_sparse.core.sparsity_wrapper import (
+    SparsityWrapperOptimizer,
+    configure_sparsity_wrapper,
+)
 from tests.helpers import TinyNet, assert_same_state
 
 SPARSE = ["fc1.weight", "fc2.weight"]

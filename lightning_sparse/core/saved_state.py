@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .bitpack import pack_bits, unpack_bits
+from .legacy import earlier_ever_active, earlier_targets
 from .masking import PrunedValues
 from .sharding import full, local, shard_like
 from .sparse_parameter import SparseParameter
@@ -192,9 +193,9 @@ def _check_ever_active(state: Mapping[str, Any], expected: Expected) -> None:
         shape = expected.ever_active.get(name)
         if shape is None:
             continue
-        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-        if got == shape and mask.dtype == torch.bool:  # an earlier version's: the mask itself
+        if earlier_ever_active(mask, shape):  # an earlier version's: the mask itself
             continue
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
         try:
             unpack_bits(mask, shape)  # packed like the masks
         except ValueError as err:
@@ -213,8 +214,8 @@ def saved_ever_active(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     for name, mask in (state.get("ever_active") or {}).items():
         if name not in shapes:
             continue
-        packed = mask.dtype != torch.bool
-        out[name] = unpack_bits(mask, shapes[name]) if packed else mask
+        shape = tuple(shapes[name])
+        out[name] = mask if earlier_ever_active(mask, shape) else unpack_bits(mask, shape)
     return out
 
 
@@ -261,15 +262,7 @@ def saved_targets(
     last = state.get("last_update_step", -1)
     if last >= 0:
         return {name: target(name, last) for name in names}
-    saved = state.get("mask_targets", {})
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{owner}: sparsity state mask_targets must be a dict")
-    try:
-        return {name: float(saved[name]) for name in names if name in saved}
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"{owner}: sparsity state mask_targets must map names to floats ({err})"
-        ) from None
+    return earlier_targets(state, names, owner)
 
 
 def restore_ever_active_(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import validate
-from .cadences import (  # noqa: F401  (re-exported: the cadences' home before `cadences`)
+from .cadences import (  # noqa: F401  (re-exported: their home before `cadences`; `legacy`)
     CallableSchedule,
     FreqSchedule,
     ListSchedule,

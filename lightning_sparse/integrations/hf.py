@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lightning_sparse.core import Group, SparsityAlgorithm
+from lightning_sparse.core import Group, SparsityAlgorithm, legacy
 
 __all__ = ["STATE_FILE", "SparsityTrainerCallback"]
 
@@ -253,8 +253,9 @@ class SparsityTrainerCallback(TrainerCallback):
 def _saved_shapes(saved: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of the masks in a ``sparsity_state.pt``: the algorithm
     state's parameters (a `Group`'s members' together), or an earlier version's bool masks."""
-    if "masks" in saved:
-        return {name: tuple(mask.shape) for name, mask in saved["masks"].items()}
+    earlier = legacy.hf_bool_mask_shapes(saved)
+    if earlier is not None:
+        return earlier
     states = saved["algorithm"].get("groups", [saved["algorithm"]])
     return {name: tuple(shape) for s in states for name, shape in s.get("params", {}).items()}
 

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 
+from lightning_sparse.core import legacy
 from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
 from lightning_sparse.core.init_methods import INIT_METHODS
 from lightning_sparse.core.schedules import Constant
@@ -208,7 +209,7 @@ def check_resumable(trainer: pl.Trainer, path: str | os.PathLike[str]) -> None:
             continue
         state = find_sparsity_state(checkpoint, callback.state_key, path)
         if state is None:  # an earlier version's layout: under checkpoint["callbacks"]
-            state = (checkpoint.get("callbacks") or {}).get(callback.state_key)
+            state = legacy.callbacks_layout_state(checkpoint, callback.state_key)
         if state is not None:
             # The algorithm's or Group's (their signatures differ, so the mixin declares none).
             callback.check_state_dict(state)  # type: ignore[attr-defined]
@@ -229,7 +230,7 @@ def find_sparsity_state(
     saved = checkpoint.get(STATE_KEY) or {}
     if key in saved:
         return saved[key]
-    callbacks = checkpoint.get("callbacks") or {}
+    callbacks = legacy.earlier_callback_states(checkpoint)
     if key in callbacks:
         return None
     others = sorted({*saved, *(k for k, v in callbacks.items() if _is_sparsity_state(v))})

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, ddp_ignore, held, report, validate
+from .. import applied, ddp_ignore, held, legacy, report, validate
 from ..apply_checks import check_candidates, check_optimizer, check_shaper
 from ..apply_model import (
     attach,
@@ -107,6 +107,10 @@ class SparsityAlgorithm(ABC):
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        for method in ("update_mask", "grow_score"):  # written before the rule took the name
+            adapted = legacy.named_rule(cls, method)
+            if adapted is not None:
+                setattr(cls, method, adapted)
         if register and not inspect.isabstract(cls):
             register_algorithm(cls)
 
@@ -152,7 +156,10 @@ class SparsityAlgorithm(ABC):
         self.in_out_params: set[str] = set()
         self.observers = Observers()
         self.hooks = StepHooks(
-            self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
+            self.sparse_params,
+            lambda: self.dense_grad_needed,
+            self.initial_mask,
+            legacy.take_mask_entries,  # an earlier version's model state dicts
         )
         self.hooks.on_mask_dropped.append(self._follow_mask)
         self.check_range(self.horizon())
@@ -600,4 +607,5 @@ class SparsityAlgorithm(ABC):
 
 
 DynamicSparsityAlgorithm = SparsityAlgorithm
-"""The name earlier versions gave the base of dynamic algorithms; one base serves all now."""
+"""The name earlier versions gave the base of dynamic algorithms; one base serves all now (an
+alias, `legacy`: removed in 0.3.0)."""

@@ -1,10 +1,11 @@
-"""The mechanics of ``apply(model)``: the initial masks, attached reversibly, then committed.
+"""The ``apply(model)`` transaction: the initial masks, attached reversibly, then committed.
 
-`SparsityAlgorithm.apply` (and `Group.apply`, across its members) runs the phases as one
-transaction: select the parameters (`selection`), check them (`apply_checks`), resolve the seed,
-build the initial masks (`initial_mask`), `attach` them with the per-step hooks, and `commit`.
-Nothing changes the model before `attach`, and `attach` is undone (`detach`) on any failure until
-`commit_masks` prunes: a refused ``apply`` leaves the model as it was.
+`SparsityAlgorithm.apply` (one algorithm) and `Group.apply` (its members) select the parameters
+(`selection`) and run the phases of `Phases` as one `transaction`: check them (`apply_checks`),
+resolve the seed, build the initial masks (`initial_mask`), `attach` them with the per-step hooks,
+and commit (`commit_masks` prunes). Nothing changes the model before `attach`, and every `attach`
+is undone (`detach`) on any failure before the commits: a refused ``apply`` leaves the model and
+the algorithms' settings as they were.
 
 ``model.apply(sparsity)`` calls the algorithm on every submodule, the model last; only the
 model's call acts (`model_apply_visits_child`), so parameter filters see full names.
@@ -14,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -27,15 +29,58 @@ from .sharding import full, shard_like
 from .sparse_parameter import SparseParameter
 
 __all__ = [
+    "Phases",
     "attach",
     "commit_masks",
     "detach",
     "initial_mask",
     "log_orphans",
     "model_apply_visits_child",
+    "transaction",
 ]
 
 log = logging.getLogger("lightning_sparse")
+
+
+class Phases(Protocol):
+    """The phases of ``apply(model)`` an algorithm runs (`SparsityAlgorithm`'s methods)."""
+
+    def settings(self) -> tuple[Any, ...]: ...
+    def restore_settings(self, settings: tuple[Any, ...]) -> None: ...
+    def check_candidates(self, chosen: list[Candidate]) -> None: ...
+    def resolve_seed(self) -> None: ...
+    def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]: ...
+    def attach(
+        self, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
+    ) -> list[SparseParameter]: ...
+    def detach(self, sps: list[SparseParameter]) -> None: ...
+    def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None: ...
+
+
+def transaction(
+    root: nn.Module, members: Sequence[Phases], routed: Sequence[list[Candidate]]
+) -> None:
+    """Apply each of ``members`` to its candidates in ``routed``, all or nothing: each phase
+    across every member before the next (all checks before any seed, mask or buffer); on any
+    failure every attach is undone and every member's settings restored, then it re-raises."""
+    before = [member.settings() for member in members]
+    done: list[tuple[Phases, list[SparseParameter]]] = []
+    try:
+        for member, chosen in zip(members, routed, strict=True):
+            member.check_candidates(chosen)
+        for member in members:
+            member.resolve_seed()
+        masks = [m.initial_masks(chosen) for m, chosen in zip(members, routed, strict=True)]
+        for member, chosen, built in zip(members, routed, masks, strict=True):
+            done.append((member, member.attach(root, chosen, built)))
+    except BaseException:
+        for member, sps in done:
+            member.detach(sps)
+        for member, settings in zip(members, before, strict=True):
+            member.restore_settings(settings)
+        raise
+    for member, sps in done:
+        member.commit(root, sps)
 
 
 def initial_mask(

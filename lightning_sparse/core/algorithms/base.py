@@ -30,16 +30,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, ddp_ignore, held, legacy, report, validate
+from .. import applied, apply_model, ddp_ignore, held, legacy, report, saved_state, validate
 from ..apply_checks import check_candidates, check_optimizer, check_shaper
-from ..apply_model import (
-    attach,
-    commit_masks,
-    detach,
-    initial_mask,
-    log_orphans,
-    model_apply_visits_child,
-)
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
@@ -49,16 +41,6 @@ from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
-from ..saved_state import (
-    Expected,
-    check_state,
-    pack_state,
-    restore_ever_active_,
-    restore_masks_,
-    saved_ever_active,
-    saved_masks,
-    saved_targets,
-)
 from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import (
     ScheduleSpec,
@@ -253,7 +235,7 @@ class SparsityAlgorithm(ABC):
     def __call__(self, module: nn.Module) -> None:
         """``model.apply(sparsity)``: torch calls this on every submodule, the model last; only
         the model's call acts (`model_apply_visits_child`), so filters see full names."""
-        if not model_apply_visits_child():
+        if not apply_model.model_apply_visits_child():
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
@@ -281,15 +263,7 @@ class SparsityAlgorithm(ABC):
                 "model.named_parameters()",
                 stacklevel=4,
             )
-        before = self.settings()
-        try:
-            self.check_candidates(chosen)
-            self.seed = resolve_seed(self.seed)
-            sps = self.attach(root, chosen, self.initial_masks(chosen))
-        except BaseException:
-            self.restore_settings(before)
-            raise
-        self.commit(root, sps)
+        apply_model.transaction(root, [self], [chosen])
 
     # The phases of `apply(model)`, also run by `Group` across its members: nothing changes the
     # model before `attach`, and `attach` is undone (`detach`) until `commit` prunes.
@@ -322,7 +296,11 @@ class SparsityAlgorithm(ABC):
             owned=applied.owned_masks(),
         )
         self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
-        log_orphans(self.name, orphans, self.init_method)
+        apply_model.log_orphans(self.name, orphans, self.init_method)
+
+    def resolve_seed(self) -> None:
+        """``seed=None`` becomes the experiment's torch seed (rank 0's under torch.distributed)."""
+        self.seed = resolve_seed(self.seed)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
@@ -331,7 +309,9 @@ class SparsityAlgorithm(ABC):
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self._applied_seed(), 0, name, param.device)
         target, in_out = self.initial_target(name), name in self.in_out_params
-        return initial_mask(name, param, self.init_method, target, generator, self.shaper, in_out)
+        return apply_model.initial_mask(
+            name, param, self.init_method, target, generator, self.shaper, in_out
+        )
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -342,18 +322,18 @@ class SparsityAlgorithm(ABC):
     ) -> list[SparseParameter]:
         """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
         raise. Reversible (`detach`) until `commit` prunes."""
-        return attach(root, chosen, masks, self.hooks)
+        return apply_model.attach(root, chosen, masks, self.hooks)
 
     def detach(self, sps: list[SparseParameter]) -> None:
         """Undo `attach`."""
-        detach(sps, self.hooks)
+        apply_model.detach(sps, self.hooks)
 
     def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
         """Prune the attached parameters: from here this algorithm owns them. Their masks leave
         DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
         self.root = root
         self.sparse_params.update((sp.name, sp) for sp in sps)
-        commit_masks(sps, self.track_itop)
+        apply_model.commit_masks(sps, self.track_itop)
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
@@ -545,7 +525,7 @@ class SparsityAlgorithm(ABC):
         (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
         ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
         are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
-        return pack_state(
+        return saved_state.pack_state(
             step=self.step,
             last_update_step=self.last_update_step,
             seed=self.seed,
@@ -559,7 +539,7 @@ class SparsityAlgorithm(ABC):
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
         """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
         works before ``apply`` (masks are then checked against the shapes the state records)."""
-        expected = Expected(
+        expected = saved_state.Expected(
             owner=self.name,
             kind=type(self).__name__.lower(),
             shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
@@ -569,7 +549,7 @@ class SparsityAlgorithm(ABC):
             ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
             applied=self.root is not None,
         )
-        check_state(state, expected, self.target_sparsity, loading=loading)
+        saved_state.check_state(state, expected, self.target_sparsity, loading=loading)
 
     def load_state_dict(self, state: Any) -> None:
         """Check ``state`` completely (another algorithm, other parameters, shapes or
@@ -579,15 +559,17 @@ class SparsityAlgorithm(ABC):
         the values a model load just zeroed that these masks keep, then prune; gradients and
         optimizer state are pruned before the next step."""
         self.check_state_dict(state, loading=True)
-        targets = saved_targets(state, list(self.sparse_params), self.target_sparsity, self.name)
-        masks = saved_masks(state, self.name)
+        targets = saved_state.saved_targets(
+            state, list(self.sparse_params), self.target_sparsity, self.name
+        )
+        masks = saved_state.saved_masks(state, self.name)
         removed = bool(state.get("removed"))
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
         self.seed = state.get("seed", self.seed)
-        restore_ever_active_(self.ever_active, saved_ever_active(state))
+        saved_state.restore_ever_active_(self.ever_active, saved_state.saved_ever_active(state))
         unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
-        restore_masks_(self.sparse_params, masks, removed, unpruned)
+        saved_state.restore_masks_(self.sparse_params, masks, removed, unpruned)
         self.mask_targets.update(targets)
         self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
         self.hooks.changed()

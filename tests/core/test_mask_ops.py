@@ -294,3 +294,19 @@ def test_host_path_topk_mask_dtypes(dtype: torch.dtype) -> None:
             expected = topk_mask(score, k)
         with host_select_min(1):
             assert torch.equal(topk_mask(score, k), expected), (dtype, k)
+
+
+def test_the_sampled_selection_takes_one_row_only() -> None:
+    """`host_select` is for one CPU row: two long rows (of different scales, so a selection over
+    both at once would take every kept score from one) each keep exactly ``k``."""
+    n, k = mask_ops.HOST_SELECT_MIN, 100
+    g = torch.Generator().manual_seed(0)
+    one = torch.rand(1, n, generator=g)
+    two = torch.cat([torch.rand(1, n, generator=g), torch.rand(1, n, generator=g) + 10])
+    assert mask_ops.host_select(one) and not mask_ops.host_select(two)
+    assert mask_ops.row_counts(topk_mask(two, k)).tolist() == [k, k]
+    assert torch.equal(topk_mask(two, k), torch.cat([topk_mask(row, k) for row in two.split(1)]))
+    scores = torch.cat([torch.rand(1, n, generator=g), torch.rand(1, n, generator=g) * 0.1])
+    mask = torch.rand(2, n, generator=g) < 0.004  # about 65 kept per row, fewer than k
+    kept = mask_ops.row_counts(drop_and_grow(scores, scores, mask, 10, k))
+    assert kept.tolist() == [k, k]

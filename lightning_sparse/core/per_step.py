@@ -17,8 +17,8 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    grew, since its last step, the same-shape optimizer state.
    Last (`hold_denominators`), for Adam and AdamW on the CPU: the pruned entries of ``exp_avg_sq``
    hold 1.0 during the step. Their update is 0 either way (its numerator, ``exp_avg``, is 0
-   there), and ``torch.sqrt`` on the CPU is about 6x slower on exact zeros than on other values
-   (torch 2.13, the for-loop and foreach kernels): about 3% of a step at sparsity 0.8.
+   there), and ``torch.sqrt`` on the CPU (the for-loop and foreach kernels) is several times
+   slower on exact zeros than on other values (benchmarks/README.md, "Figures behind the code").
 3. **after** ``optimizer.step()`` (`after_step`): the held denominators are exact zeros again;
    nothing else for optimizers whose update keeps zeros where weight, gradient and state are 0
    (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.

@@ -24,6 +24,7 @@ from .cadences import (  # noqa: F401  (re-exported: their home before `cadences
     FreqSchedule,
     ListSchedule,
     NeverSchedule,
+    StepFunction,
     UpdateSchedule,
     _callable_name,
     _int,
@@ -198,19 +199,10 @@ class Cycling(HyperParameterSchedule):
         return self.values[k % len(self.values)]
 
 
-class Lambda(HyperParameterSchedule):
-    """``y(t) = fn(t)`` for any Python callable ``fn: int -> float``."""
+class Lambda(StepFunction, HyperParameterSchedule):
+    """``y(t) = float(fn(t))`` for any Python callable ``fn: int -> float``."""
 
-    def __init__(self, fn: Callable[[int], float]) -> None:
-        if not callable(fn):
-            raise TypeError(f"Lambda fn must be callable step -> float, got {fn!r}")
-        self.fn = fn
-
-    def __call__(self, step: int) -> float:
-        return float(self.fn(step))
-
-    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
-        return f"Lambda(fn={_callable_name(self.fn)})"
+    cast = float
 
 
 class Polynomial(HyperParameterSchedule):

@@ -73,6 +73,11 @@ class SparsityStateCallback(pl.Callback):
 class SparsityCallback(SparsityStateCallback):
     """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ is None:  # a core class made a callback: its docstring, paper and arguments
+            cls.__doc__ = next((base.__doc__ for base in cls.__mro__[1:] if base.__doc__), None)
+
     if TYPE_CHECKING:  # The algorithm's (or Group's) API that the hooks below call.
         name: str
         root: torch.nn.Module | None

@@ -158,15 +158,12 @@ def test_drop_and_grow_nan_never_crosses_the_mask() -> None:
     assert torch.equal(out, torch.tensor([[True, True, True, False, False, False]]))
 
 
+# A seed, then the mask's density, the drop fraction and the target density, each in [0, 1].
+SEED_AND_FRACTIONS = (st.integers(0, 2**31 - 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+
+
 @FAST
-@given(
-    st.integers(1, 4),
-    st.integers(1, 25),
-    st.integers(0, 2**31 - 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-)
+@given(st.integers(1, 4), st.integers(1, 25), *SEED_AND_FRACTIONS)
 def test_drop_and_grow_matches_reference(
     groups: int, n: int, seed: int, density: float, drop_frac: float, target: float
 ) -> None:
@@ -218,13 +215,7 @@ def test_host_path_topk_mask_matches_reference(case: tuple[torch.Tensor, list[in
 
 
 @FAST
-@given(
-    st.integers(1, 40),
-    st.integers(0, 2**31 - 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-)
+@given(st.integers(1, 40), *SEED_AND_FRACTIONS)
 def test_host_path_drop_and_grow_matches_reference(
     n: int, seed: int, density: float, drop_frac: float, target: float
 ) -> None:

@@ -286,17 +286,19 @@ def test_20_schedule_is_the_update_cadence(schedule: object, freq: int) -> None:
     assert rigl.drop_fraction(0) == 0.2
 
 
-def test_20_param_name_patterns_and_filter() -> None:
+def _sparsified(kind: str, **kwargs: object) -> list[str]:
+    """The parameters ``configure_sparsity_wrapper(TinyNet, SGD, kind, sparsity=0.5, ...)``
+    sparsifies."""
     torch.manual_seed(0)
     model = TinyNet()
-    by_list = configure_sparsity_wrapper(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        "static",
-        sparsity=0.5,
-        param_name_patterns=["fc2.weight", "lm_head"],
-    )
-    assert list(by_list.sparsity.sparse_params) == ["fc2.weight", "lm_head.weight"]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapper = configure_sparsity_wrapper(model, optimizer, kind, sparsity=0.5, **kwargs)
+    return list(wrapper.sparsity.sparse_params)
+
+
+def test_20_param_name_patterns_and_filter() -> None:
+    by_list = _sparsified("static", param_name_patterns=["fc2.weight", "lm_head"])
+    assert by_list == ["fc2.weight", "lm_head.weight"]
 
     model = TinyNet()
     by_dict = configure_sparsity_wrapper(
@@ -310,26 +312,12 @@ def test_20_param_name_patterns_and_filter() -> None:
     assert [type(a) for a in by_dict.sparsity] == [SET, SET]
     assert_sparse(by_dict.sparsity, {"fc1.weight": 0.25, "fc2.weight": 0.5})
 
-    model = TinyNet()
-    by_filter = configure_sparsity_wrapper(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        "static",
-        sparsity=0.5,
-        sparse_param_filter=lambda name, p: name.startswith("lm_head"),
+    by_filter = _sparsified("static", sparse_param_filter=lambda name, p: name.startswith("lm_"))
+    assert by_filter == ["lm_head.weight"]
+    patterns_win = _sparsified(
+        "static", param_name_patterns="fc1.weight", sparse_param_filter=lambda name, p: True
     )
-    assert list(by_filter.sparsity.sparse_params) == ["lm_head.weight"]
-
-    model = TinyNet()
-    patterns_win = configure_sparsity_wrapper(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.1),
-        "static",
-        sparsity=0.5,
-        param_name_patterns="fc1.weight",
-        sparse_param_filter=lambda name, p: True,
-    )
-    assert list(patterns_win.sparsity.sparse_params) == ["fc1.weight"]
+    assert patterns_win == ["fc1.weight"]
 
 
 def test_20_kwargs_build_the_same_algorithm_as_configure() -> None:

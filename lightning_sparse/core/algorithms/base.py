@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .. import applied, apply_model, ddp_ignore, held, legacy, report, saved_state, validate
 from ..apply_checks import check_candidates, check_optimizer, check_shaper
+from ..cadences import make_update_schedule
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
@@ -42,14 +43,7 @@ from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
 from ..scaler_steps import SkippedSteps, found_inf
-from ..schedules import (
-    ScheduleSpec,
-    UpdateSpec,
-    bind,
-    check_schedule,
-    evaluate,
-    make_update_schedule,
-)
+from ..schedules import ScheduleSpec, UpdateSpec, bind, check_schedule, evaluate
 from ..selection import Candidate, select
 from ..shapers import Shaper, Unstructured
 from ..sharding import full, is_sharded, shard_like

@@ -18,18 +18,11 @@ from typing import Any, ClassVar, overload
 
 import torch
 
-from .. import held, validate
+from .. import held, schedules, validate
+from ..cadences import make_update_schedule
 from ..install import by_key
 from ..mask_ops import drop_and_grow, host_select, row_counts
-from ..schedules import (
-    HyperParameterSchedule,
-    ScheduleSpec,
-    UpdateSpec,
-    bind,
-    check_schedule,
-    evaluate,
-    make_update_schedule,
-)
+from ..schedules import ScheduleSpec, UpdateSpec
 from ..shapers import Shaper, Unstructured
 from ..sharding import is_sharded
 from .base import SparsityAlgorithm
@@ -60,7 +53,7 @@ class DropAndGrow(SparsityAlgorithm):
     ) -> None:
         cadence = make_update_schedule(update)
         # Bound before the base checks the range (once, when built), the drop fraction with it.
-        self.drop_fraction: HyperParameterSchedule = bind(
+        self.drop_fraction: schedules.HyperParameterSchedule = schedules.bind(
             drop_fraction, cadence, False, check=validate.drop_fraction
         )
         super().__init__(sparsity, cadence, **kwargs)
@@ -72,7 +65,7 @@ class DropAndGrow(SparsityAlgorithm):
 
     def drop_fraction_at(self, step: int) -> float:
         """The drop fraction at ``step``, checked to be in [0, 1]."""
-        value = evaluate(self.drop_fraction, step, "drop_fraction")
+        value = schedules.evaluate(self.drop_fraction, step, "drop_fraction")
         return validate.drop_fraction(value, step=step, schedule=self.drop_fraction)
 
     def check_range(self, horizon: int) -> None:
@@ -80,7 +73,7 @@ class DropAndGrow(SparsityAlgorithm):
         ``[0, horizon]``, finite at every later one."""
         super().check_range(horizon)
         extra = (0, *self.milestones())
-        check_schedule(
+        schedules.check_schedule(
             self.drop_fraction,
             "drop_fraction",
             self.update_schedule,

@@ -30,28 +30,33 @@ _CORE = (
     "sparsity_report",
     "strip_masks",
 )
+# The Lightning layer's names the top level lends (the layer exports more), by kind; their
+# list is needed here without importing the layer, which would import Lightning.
 _LIGHTNING = (
-    "GMP",
-    "SET",
-    "AtomicCheckpointIO",
-    "DropAndGrow",
-    "DynamicSparsityAlgorithm",
-    "FlopCounter",
-    "GraNet",
-    "Group",
-    "IterativePruning",
-    "LoadWeights",
-    "ModelZooSparsity",
-    "RigL",
-    "SparseRunSummary",
+    # the algorithms as callbacks
     "SparsityAlgorithm",
+    "DynamicSparsityAlgorithm",
     "SparsityCallback",
     "Static",
-    "VariableSPDF",
-    "clip_gradients",
+    "GMP",
+    "DropAndGrow",
+    "SET",
+    "RigL",
+    "GraNet",
+    "Group",
+    "ModelZooSparsity",
     "configure",
+    # workflows and training helpers
+    "IterativePruning",
+    "VariableSPDF",
+    "LoadWeights",
+    "clip_gradients",
+    # checkpoints, loading and the run's account
+    "AtomicCheckpointIO",
     "SparseLoadingMixin",
     "restore_checkpoint_masks",
+    "FlopCounter",
+    "SparseRunSummary",
 )
 _INTEGRATIONS = {
     "export": "lightning_sparse.integrations.export",

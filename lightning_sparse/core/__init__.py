@@ -24,9 +24,9 @@ from .algorithms import (
 from .configure import configure, load_sparsity_block
 from .conversion import convert_nan_checkpoint, densify
 from .filters import default_sparse_param_filter
-from .legacy import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from .report import SparsityReport, sparsity_report
 from .sparse_parameter import SparseParameter
+from .sparsity_wrapper import SparsityWrapperOptimizer, configure_sparsity_wrapper
 from .state_dict import checkpoint_masks, restore_masks, strip_masks
 
 __all__ = [

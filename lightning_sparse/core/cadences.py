@@ -13,7 +13,7 @@ import bisect
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from . import validate
 
@@ -41,6 +41,28 @@ def _repr_from_init(obj: object) -> str:
 def _callable_name(fn: Callable[..., Any]) -> str:
     """``module.qualname`` of ``fn``: a repr without a memory address."""
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+class StepFunction:
+    """A schedule that is a Python function of the step: ``cast(fn(step))``. Mixed into
+    `CallableSchedule` (``cast = bool``) and `schedules.Lambda` (``cast = float``), before
+    their schedule base."""
+
+    cast: ClassVar[type]  # bool or float
+
+    def __init__(self, fn: Callable[[int], Any]) -> None:
+        if not callable(fn):
+            raise TypeError(
+                f"{type(self).__name__} fn must be callable step -> {self.cast.__name__}, "
+                f"got {fn!r}"
+            )
+        self.fn = fn
+
+    def __call__(self, step: int) -> Any:
+        return self.cast(self.fn(step))
+
+    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
+        return f"{type(self).__name__}(fn={_callable_name(self.fn)})"
 
 
 class UpdateSchedule(ABC):
@@ -146,19 +168,10 @@ class NeverSchedule(UpdateSchedule):
         return None
 
 
-class CallableSchedule(UpdateSchedule):
+class CallableSchedule(StepFunction, UpdateSchedule):
     """``update(t) = bool(fn(t))``; ``fn`` should return a Python bool (a tensor would sync)."""
 
-    def __init__(self, fn: Callable[[int], bool]) -> None:
-        if not callable(fn):
-            raise TypeError(f"CallableSchedule fn must be callable step -> bool, got {fn!r}")
-        self.fn = fn
-
-    def __call__(self, step: int) -> bool:
-        return bool(self.fn(step))
-
-    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
-        return f"CallableSchedule(fn={_callable_name(self.fn)})"
+    cast = bool
 
 
 _UPDATE_FORMS = (

@@ -1,9 +1,10 @@
 """Per-layer sparsity from one global target.
 
-Every distribution has one signature, ``(shapes, sparsity, **kwargs) -> {name: sparsity}``, and
-keeps the parameter-weighted mean sparsity equal to the target (before each layer's keep count
-truncates to ``int((1 - s) * n)``). ``global_magnitude`` ranks all layers' weights together
-instead, so it needs the weights and returns masks.
+Every distribution has one signature, ``(shapes, sparsity, **kwargs) -> {name: sparsity}``
+(``shapes``: parameter name -> shape; ``sparsity``: the target fraction of zeros in ``[0, 1)``;
+the result in ``shapes``' order), and keeps the parameter-weighted mean sparsity equal to the
+target (before each layer's keep count truncates to ``int((1 - s) * n)``). ``global_magnitude``
+ranks all layers' weights together instead, so it needs the weights and returns masks.
 """
 
 from __future__ import annotations
@@ -22,15 +23,7 @@ Distribution = Callable[..., dict[str, float]]
 
 
 def uniform(shapes: Mapping[str, torch.Size], sparsity: float) -> dict[str, float]:
-    """Give every layer the target sparsity (Cerebras' only 2.x behaviour).
-
-    Args:
-        shapes: Parameter name -> shape.
-        sparsity: Target fraction of zeros in ``[0, 1)``.
-
-    Returns:
-        Name -> sparsity, in ``shapes``' order.
-    """
+    """Give every layer the target sparsity (Cerebras' only 2.x behaviour)."""
     sparsity = validate.sparsity(sparsity, "uniform sparsity")
     return {name: sparsity for name in shapes}
 
@@ -77,15 +70,8 @@ def er(
 
     Uses only ``shape[:2]`` (``[out, in]``), ignoring conv kernel dims. Mocanu et al. 2018,
     arXiv:1707.04780; with the dense fallback of Evci et al. 2020, "Rigging the Lottery: Making
-    All Tickets Winners", arXiv:1911.11134.
-
-    Args:
-        shapes: Parameter name -> shape.
-        sparsity: Target parameter-weighted fraction of zeros in ``[0, 1)``.
-        power_scale: Exponent on the raw density (1 is the paper's ER; 0 gives uniform).
-
-    Returns:
-        Name -> sparsity; layers that would exceed density 1 get 0.0 (dense).
+    All Tickets Winners", arXiv:1911.11134. ``power_scale``: the exponent on the raw density (1
+    is the paper's ER; 0 gives uniform). Layers that would exceed density 1 get 0.0 (dense).
     """
     return _erdos_renyi(shapes, validate.sparsity(sparsity, "er sparsity"), power_scale, dims=2)
 
@@ -96,15 +82,8 @@ def erk(
     """Erdős-Rényi-Kernel: density proportional to ``sum(shape) / prod(shape)``.
 
     Includes the conv kernel dims. Evci et al. 2020, "Rigging the Lottery: Making All Tickets
-    Winners", arXiv:1911.11134 (``erk_power_scale`` in its code).
-
-    Args:
-        shapes: Parameter name -> shape.
-        sparsity: Target parameter-weighted fraction of zeros in ``[0, 1)``.
-        power_scale: Exponent on the raw density (1 is the paper's ERK; 0 gives uniform).
-
-    Returns:
-        Name -> sparsity; layers that would exceed density 1 get 0.0 (dense).
+    Winners", arXiv:1911.11134 (``erk_power_scale`` in its code). ``power_scale``: as `er`'s (1
+    is the paper's ERK). Layers that would exceed density 1 get 0.0 (dense).
     """
     return _erdos_renyi(shapes, validate.sparsity(sparsity, "erk sparsity"), power_scale, dims=None)
 

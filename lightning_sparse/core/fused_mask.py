@@ -81,8 +81,8 @@ def _mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None
         _per_tensor(views, masks)
 
 
-# Registered with the low-level `torch.library` API: ``torch.library.custom_op`` costs about 75 us
-# more per call in Python (2-core Intel Xeon, 28 tensors), on a path that runs twice a step.
+# Registered with the low-level `torch.library` API: ``torch.library.custom_op`` costs more per
+# call in Python (benchmarks/README.md, "Figures behind the code"), on a path run twice a step.
 _LIBRARY = torch.library.Library("lightning_sparse", "DEF")
 _LIBRARY.define("mul_by_masks_(Tensor(a!)[] views, Tensor[] masks) -> ()")
 _LIBRARY.impl("mul_by_masks_", _mul_by_masks_, "CompositeExplicitAutograd")

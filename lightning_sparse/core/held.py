@@ -36,8 +36,8 @@ class Holder(Protocol):
 
     def dense_grad(self) -> torch.Tensor | None:
         """The weight's gradient as the update reads it, dense (None when it has none): the
-        holder may keep only what `SparsityAlgorithm.grow_candidates` says the update reads of
-        it outside the mask, zeros elsewhere."""
+        holder may keep only what the update's rule says it reads of it outside the mask (a
+        drop-and-grow rule's grow candidates, `DropAndGrow.grow_candidates`), zeros elsewhere."""
         ...
 
     def mask_changed(self) -> None:

@@ -4,6 +4,16 @@ The four methods of Cerebras ``cstorch.sparse.init`` (``random``, ``topk``, ``fr
 ``checkerboard``), each keeping exactly ``shaper.keep_per_row(sparsity, row_len)`` per shaper row
 (``int((1 - s) * row_len)`` by default) except ``from_zeros``. ``make_init_method`` turns a name
 or a user callable into one of them.
+
+Every method shares one signature:
+
+- ``p``: the parameter, any shape;
+- ``sparsity``: the fraction of zeros, in ``[0, 1)``;
+- ``generator``: the source of random scores, on ``p.device`` (`rng.generator_for`); ``None``
+  uses PyTorch's global generator (only ``random`` draws);
+- ``shaper``: the groups competing for the kept slots; ``None`` means ``Unstructured()``;
+
+and returns a bool mask of ``p.shape``.
 """
 
 from __future__ import annotations
@@ -22,6 +32,8 @@ from .shapers import Blocks, Shaper, Unstructured
 
 InitMethod = Callable[..., Tensor]
 """``(p, sparsity, *, generator=None, shaper=None) -> Tensor[bool]`` of ``p``'s shape."""
+Gen = torch.Generator | None
+Shp = Shaper | None
 
 
 def _keep_top(score: Tensor, sparsity: float, shaper: Shaper | None) -> Tensor:
@@ -32,76 +44,29 @@ def _keep_top(score: Tensor, sparsity: float, shaper: Shaper | None) -> Tensor:
     return shaper.unshape(topk_mask(rows, k), score.shape)
 
 
-def random(
-    p: Tensor,
-    sparsity: float,
-    *,
-    generator: torch.Generator | None = None,
-    shaper: Shaper | None = None,
-) -> Tensor:
-    """Keep a uniformly random subset of exactly ``int((1 - s) * row_len)`` per shaper row.
-
-    A fixed count (top-k of ``U(0, 1)`` scores), not a Bernoulli draw, as in Cerebras.
-
-    Args:
-        p: The parameter, any shape.
-        sparsity: Fraction of zeros in ``[0, 1)``.
-        generator: Source of the scores, on ``p.device`` (see ``rng.generator_for``);
-            ``None`` uses PyTorch's global generator.
-        shaper: Groups competing for the kept slots; ``None`` means ``Unstructured()``.
-
-    Returns:
-        Bool mask of ``p.shape``.
-    """
+def random(p: Tensor, sparsity: float, *, generator: Gen = None, shaper: Shp = None) -> Tensor:
+    """Keep a uniformly random subset of exactly ``int((1 - s) * row_len)`` per shaper row: a
+    fixed count (top-k of ``U(0, 1)`` scores from ``generator``), not a Bernoulli draw, as in
+    Cerebras. Arguments: the module docstring's."""
     score = torch.rand(p.shape, generator=generator, device=p.device)
     return _keep_top(score, sparsity, shaper)
 
 
-def topk(
-    p: Tensor,
-    sparsity: float,
-    *,
-    generator: torch.Generator | None = None,
-    shaper: Shaper | None = None,
-) -> Tensor:
+def topk(p: Tensor, sparsity: float, *, generator: Gen = None, shaper: Shp = None) -> Tensor:
     """Keep the largest ``|p|`` of each shaper row (magnitude pruning); ties to the lower index.
-
-    Args:
-        p: The parameter, any shape.
-        sparsity: Fraction of zeros in ``[0, 1)``.
-        generator: Unused.
-        shaper: Groups competing for the kept slots; ``None`` means ``Unstructured()``.
-
-    Returns:
-        Bool mask of ``p.shape``.
-    """
+    Arguments: the module docstring's (``generator`` unused)."""
     return _keep_top(p.detach().abs(), sparsity, shaper)
 
 
-def from_zeros(
-    p: Tensor,
-    sparsity: float,
-    *,
-    generator: torch.Generator | None = None,
-    shaper: Shaper | None = None,
-) -> Tensor:
-    """Keep the nonzero entries: ``p != 0`` (for loading pruned weights).
-
-    Ignores ``sparsity``, ``generator`` and ``shaper``, as Cerebras documents: the mask's
-    sparsity is whatever the weights already have.
-
-    Returns:
-        Bool mask of ``p.shape``.
-    """
+def from_zeros(p: Tensor, sparsity: float, *, generator: Gen = None, shaper: Shp = None) -> Tensor:
+    """Keep the nonzero entries: ``p != 0`` (for loading pruned weights). Ignores ``sparsity``,
+    ``generator`` and ``shaper``, as Cerebras documents: the mask's sparsity is whatever the
+    weights already have."""
     return p.detach() != 0
 
 
 def checkerboard(
-    p: Tensor,
-    sparsity: float,
-    *,
-    generator: torch.Generator | None = None,
-    shaper: Shaper | None = None,
+    p: Tensor, sparsity: float, *, generator: Gen = None, shaper: Shp = None
 ) -> Tensor:
     """Keep an evenly spread deterministic pattern (for stress and performance tests).
 
@@ -110,16 +75,8 @@ def checkerboard(
     ``floor(i * K / cols)`` increments, ``i = c + r``: spacing ``~1/d`` and each row shifted by one,
     so at ``d = 0.5`` it is a true checkerboard and every column is used equally. Cerebras shifts
     row ``r`` by ``r * floor(1/d)`` instead; the pattern here is ranked with ``topk_mask``, so the
-    keep count per shaper row is exact.
-
-    Args:
-        p: The parameter, any shape.
-        sparsity: Fraction of zeros in ``[0, 1)``.
-        generator: Unused.
-        shaper: Groups competing for the kept slots; ``None`` means ``Unstructured()``.
-
-    Returns:
-        Bool mask of ``p.shape``.
+    keep count per shaper row is exact. Arguments: the module docstring's (``generator``
+    unused).
     """
     shaper = shaper or Unstructured()
     if p.numel() == 0:
@@ -195,13 +152,7 @@ def make_init_method(init_method: str | InitMethod) -> InitMethod:
         return init_method
 
     @functools.wraps(init_method)
-    def adapted(
-        p: Tensor,
-        sparsity: float,
-        *,
-        generator: torch.Generator | None = None,
-        shaper: Shaper | None = None,
-    ) -> Tensor:
+    def adapted(p: Tensor, sparsity: float, *, generator: Gen = None, shaper: Shp = None) -> Tensor:
         given = {"generator": generator, "shaper": shaper}
         return init_method(p, sparsity, **{key: given[key] for key in passed})
 

@@ -1,209 +1,357 @@
-"""Cerebras 2.0/2.1 entry point: ``configure_sparsity_wrapper`` and ``SparsityWrapperOptimizer``.
+"""Compatibility with earlier versions of this package: every shim, and the version it goes in.
 
-Cerebras 2.0 (``cerebras_pytorch.sparse``, "SparsityOptimizer" API) sparsified a model with::
+`SHIMS` lists each shim: what it keeps working, where it is used, and the release that removes
+it (the package is 0.1.0). ``tests/core/test_legacy.py`` holds the same list and fails on a shim
+that is not registered here (a module that speaks of "an earlier version" without one). The
+code of the shims is here, except the aliases: an alias must live where it is imported from, so
+its sites are listed.
 
-    optimizer = cstorch.sparse.configure_sparsity_wrapper(
-        model, optimizer, "rigl", sparsity=0.9, schedule=100, drop_fraction=0.3,
-        param_name_patterns=[".*dense_layer.weight"],
-    )
-
-and used the returned ``SparsityWrapperOptimizer`` as a drop-in replacement for ``optimizer``
-(docs: https://docs.cerebras.net/en/2.1.0/wsc/api/cerebras_pytorch/sparse.html). Here the same
-call builds a 2.2+ algorithm through ``configure`` and applies it with ``apply(model)`` and
-``apply(optimizer)``; the wrapper only delegates, so pruning happens in the algorithm's official
-step hooks whether the wrapper or the wrapped optimizer is stepped.
-
-Differences from 2.0: masks are ``<param>_mask`` buffers in ``model.state_dict()`` (2.0 kept them
-in the optimizer's ``"sparsity"`` state); ``state_dict()["sparsity"]`` holds the algorithm's state
-(its step counter and schedule state); ``load_state_dict`` does not mutate its argument.
+This module sits low in the core (it imports no algorithm), so the readers of saved state, the
+per-step path (through the hook `SparsityAlgorithm` gives it) and the layers above can all call
+it. Nothing here is for new code.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable
+import functools
+import inspect
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from .algorithms.base import SparsityAlgorithm
-from .algorithms.group import Group
-from .configure import configure
-from .filters import ParamFilter
+from .applied import mask_paths, owned_masks
+from .sparse_parameter import as_mask, mask_buffer_name
 
-__all__ = ["SparsityWrapperOptimizer", "configure_sparsity_wrapper"]
+__all__ = [
+    "SHIMS",
+    "Shim",
+    "adopt_mask_entries",
+    "callbacks_layout_state",
+    "earlier_callback_states",
+    "earlier_ever_active",
+    "earlier_targets",
+    "hf_bool_mask_shapes",
+    "mask_keys",
+    "named_rule",
+    "summary_totals",
+    "take_mask_entries",
+]
 
-ParamNamePatterns = str | list[str] | dict[str, dict[str, Any] | None]
 
-_OPTIMIZER_HOOK_REGISTRIES = (
-    "_optimizer_step_pre_hooks",
-    "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks",
-    "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks",
-    "_optimizer_load_state_dict_post_hooks",
-)
+@dataclass(frozen=True)
+class Shim:
+    """One compatibility shim.
 
-
-class SparsityWrapperOptimizer(torch.optim.Optimizer):
-    """A drop-in optimizer: the wrapped optimizer, plus sparsity state in its checkpoints.
-
-    ``param_groups``, ``state`` and ``defaults`` *are* the wrapped optimizer's (read through to it,
-    so they stay the same objects even after it reloads its state): torch LR schedulers work on
-    the wrapper unchanged. Step and state-dict hooks registered on the wrapper run around the
-    wrapped optimizer's step and state dict.
-
-    Cerebras 2.0 API: ``cerebras_pytorch.sparse.SparsityWrapperOptimizer(optimizer,
-    sparsity_optimizer)``.
-
-    Args:
-        optimizer: the optimizer to wrap; ``sparsity`` must already be applied to it.
-        sparsity: the algorithm applied to the model and to ``optimizer``.
-
-    Raises:
-        ValueError: if ``sparsity`` is not applied to ``optimizer``.
+    Attributes:
+        name: its key in `SHIMS`.
+        keeps: what it keeps working.
+        sites: where its code or alias is, ``"module:qualified name"``.
+        removed_in: the release that removes it.
     """
 
-    def __init__(
-        self, optimizer: torch.optim.Optimizer, sparsity: SparsityAlgorithm | Group
-    ) -> None:
-        if not any(o is optimizer for o in sparsity.optimizers):
-            raise ValueError(
-                f"{sparsity!r} is not applied to the optimizer being wrapped; call "
-                "sparsity.apply(optimizer) first, or use configure_sparsity_wrapper"
-            )
-        self.optimizer = optimizer
-        self.sparsity = sparsity
-        # Not Optimizer.__init__: it would build new param groups. Set up what it sets besides
-        # them: the hook registries and the hooked step (so register_step_pre_hook works here).
-        for registry in _OPTIMIZER_HOOK_REGISTRIES:
-            setattr(self, registry, OrderedDict())
-        self._patch_step_function()
-
-    # The wrapped optimizer's own objects, never copies.
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The wrapped optimizer's ``param_groups`` list."""
-        return self.optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The wrapped optimizer's per-parameter ``state``."""
-        return self.optimizer.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self.optimizer.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The wrapped optimizer's ``defaults``."""
-        return self.optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
-
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Step the wrapped optimizer; its sparsity hooks update masks and re-prune weights."""
-        return self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero (or drop) the gradients of the wrapped optimizer's parameters."""
-        self.optimizer.zero_grad(set_to_none)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group to the wrapped optimizer (its parameters must belong to the model)."""
-        self.optimizer.add_param_group(param_group)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The wrapped optimizer's state dict plus ``"sparsity"``: the algorithm's state."""
-        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
-            pre_hook(self)
-        state = {**self.optimizer.state_dict(), "sparsity": self.sparsity.state_dict()}
-        for post_hook in self._optimizer_state_dict_post_hooks.values():
-            state = post_hook(self, state) or state
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``state_dict()`` output (a dense optimizer's state dict leaves sparsity as is).
-
-        As in Cerebras 2.0, a state dict without ``"sparsity"`` (from the dense optimizer) loads
-        into the wrapped optimizer only; the algorithm keeps its step and schedule state.
-        """
-        state = dict(state_dict)  # 2.0 popped "sparsity" from the caller's dict
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            state = pre_hook(self, state) or state
-        sparsity_state = state.pop("sparsity", None)
-        self.optimizer.load_state_dict(state)
-        if sparsity_state is not None:
-            self.sparsity.load_state_dict(sparsity_state)
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.optimizer!r}, sparsity={self.sparsity!r})"
+    name: str
+    keeps: str
+    sites: tuple[str, ...]
+    removed_in: str
 
 
-def configure_sparsity_wrapper(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    sparsity_type: str,
-    param_name_patterns: ParamNamePatterns | None = None,
-    sparse_param_filter: ParamFilter | None = None,
-    **kwargs: Any,
-) -> SparsityWrapperOptimizer:
-    """Sparsify ``model`` and ``optimizer`` from 2.0-style arguments; return a drop-in optimizer.
+_CORE = "lightning_sparse.core"
+SHIMS: dict[str, Shim] = {
+    s.name: s
+    for s in (
+        Shim(
+            "mask_entries",
+            "model state dicts with <param>_mask entries (the masks' layout before they left "
+            "the model state dict for the algorithm's state)",
+            (
+                f"{_CORE}.legacy:mask_keys",
+                f"{_CORE}.legacy:take_mask_entries",
+                f"{_CORE}.legacy:adopt_mask_entries",
+                f"{_CORE}.per_step:StepHooks.before_model_load",
+                f"{_CORE}.state_dict:checkpoint_masks",
+                f"{_CORE}.state_dict:strip_masks",
+                f"{_CORE}.state_dict:restore_masks",
+                "lightning_sparse.lightning.load_weights:drop_mask_entries",
+                "lightning_sparse.lightning.loading:restore_checkpoint_masks",
+                "lightning_sparse.models.lit_lm:LitCausalLM.on_load_checkpoint",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "state_without_packed_masks",
+            "algorithm states without packed masks (the masks came with the model), with "
+            "mask_targets instead of last_update_step, or full-size ever-active masks",
+            (
+                f"{_CORE}.legacy:earlier_targets",
+                f"{_CORE}.legacy:earlier_ever_active",
+                f"{_CORE}.saved_state:saved_masks",
+                f"{_CORE}.saved_state:restore_masks_",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "callbacks_layout",
+            "Lightning checkpoints holding the sparsity state under checkpoint['callbacks']",
+            (
+                f"{_CORE}.legacy:callbacks_layout_state",
+                f"{_CORE}.legacy:earlier_callback_states",
+                "lightning_sparse.lightning.callback:check_resumable",
+                "lightning_sparse.lightning.callback:find_sparsity_state",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "summary_totals",
+            "run summaries and FLOP counters saved with totals only, or segments only",
+            (
+                f"{_CORE}.legacy:summary_totals",
+                "lightning_sparse.lightning.summary:SparseRunSummary.load_state_dict",
+                f"{_CORE}.flop_account:FlopLedger.load_state_dict",
+                "lightning_sparse.lightning.flop_meter:FlopMeter.load_state_dict",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "hf_bool_masks",
+            "the transformers Trainer callback's state files with a bool 'masks' dict",
+            (
+                f"{_CORE}.legacy:hf_bool_mask_shapes",
+                "lightning_sparse.integrations.hf:SparsityTrainerCallback",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "checkpoint_temporaries",
+            "the temporaries an interrupted AtomicCheckpointIO left under earlier names "
+            "(.<name>.ckpt.<random>.tmp), removed with the current ones",
+            ("lightning_sparse.lightning.checkpointing:remove_stale_temporaries",),
+            "0.3.0",
+        ),
+        Shim(
+            "rule_without_name",
+            "update_mask(p, mask, sparsity) and grow_score(p) of user algorithms written before "
+            "the rule got the parameter's name (warns when the class is defined)",
+            (f"{_CORE}.legacy:named_rule", f"{_CORE}.algorithms.base:SparsityAlgorithm"),
+            "0.3.0",
+        ),
+        Shim(
+            "DynamicSparsityAlgorithm",
+            "the earlier name of the one base class, SparsityAlgorithm (an alias)",
+            (
+                f"{_CORE}.algorithms.base:DynamicSparsityAlgorithm",
+                f"{_CORE}.algorithms:DynamicSparsityAlgorithm",
+                f"{_CORE}:DynamicSparsityAlgorithm",
+                "lightning_sparse.lightning:DynamicSparsityAlgorithm",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "register_masks",
+            "the device's earlier name of core.state_dict.restore_masks (an alias)",
+            ("lightning_sparse.wse.executor:register_masks", "lightning_sparse.wse:register_masks"),
+            "0.3.0",
+        ),
+        Shim(
+            "cadences_in_schedules",
+            "the update cadences imported from core.schedules, their home before core.cadences "
+            "(re-exports)",
+            (
+                f"{_CORE}.schedules:FreqSchedule",
+                f"{_CORE}.schedules:ListSchedule",
+                f"{_CORE}.schedules:make_update_schedule",
+            ),
+            "0.3.0",
+        ),
+        Shim(
+            "hf_torch_dtype",
+            "HFCausalLM(torch_dtype=...), Hugging Face's earlier name of dtype (warns)",
+            ("lightning_sparse.models.hf:HFCausalLM", "lightning_sparse.models.hf:_resolve_dtype"),
+            "0.3.0",
+        ),
+    )
+}
 
-    Cerebras 2.0 API: ``cerebras_pytorch.sparse.configure_sparsity_wrapper(model, optimizer,
-    sparsity_type, param_name_patterns=None, sparse_param_filter=None, **kwargs)``.
+
+# ------------------------------------------------------------------ mask_entries
+_SUFFIX = mask_buffer_name("")  # "_mask"
+_ADOPTING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models with `adopt_mask_entries`
+
+
+def mask_keys(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """``{mask key: parameter key}`` for every ``<name>_mask`` entry whose ``<name>`` is present
+    (the layout of earlier versions)."""
+    return {
+        key: key[: -len(_SUFFIX)]
+        for key in state_dict
+        if key.endswith(_SUFFIX) and key[: -len(_SUFFIX)] in state_dict
+    }
+
+
+def take_mask_entries(
+    state_dict: dict[str, Any],
+    prefix: str,
+    root: nn.Module,
+    sparse_params: Mapping[str, Any],
+) -> dict[str, torch.Tensor]:
+    """An earlier version's ``*_mask`` entries for ``sparse_params``, checked and taken out of
+    ``state_dict`` (a model's load pre-hook: torch passes it a copy), so strict loading passes;
+    the per-step path makes them the masks after the load (`StepHooks.after_model_load`).
 
     Args:
-        model: the model to sparsify; ``optimizer`` must hold only its parameters.
-        optimizer: the optimizer to wrap (any ``torch.optim.Optimizer``).
-        sparsity_type: ``"static"``, ``"gmp"``, ``"set"``, ``"rigl"``, ``"granet"`` or the
-            lower-cased name of a user ``SparsityAlgorithm`` subclass.
-        param_name_patterns: which parameters to sparsify: a regex (``re.search``), a list of
-            regexes, or ``{regex: {option: value} | None}`` for per-pattern options (first match
-            wins). Takes precedence over ``sparse_param_filter``, as in 2.0.
-        sparse_param_filter: ``(name, param) -> bool`` used when no patterns are given; default:
-            weights with ``ndim >= 2`` that are not embeddings, norms or the output head.
-        **kwargs: algorithm options in 2.0 or 2.2+ spelling: ``sparsity``, ``schedule`` (the
-            2.0 update cadence: an int n = every n steps, ``{freq, start, stop}`` or a list of
-            steps), ``sparsity_schedule=[[step, sparsity], ...]``, ``init_method``,
-            ``drop_fraction``, ``balance_in_groups``, ``seed``, ...
+        state_dict: the dict being loaded.
+        prefix: the key prefix of ``root`` in it.
+        root: the model the algorithm was applied to (its masks are found by module, so a wrapper
+            that moved a layer, peft's ``base_layer``, still loads).
+        sparse_params: the algorithm's ``{name: SparseParameter}``.
 
     Returns:
-        A ``SparsityWrapperOptimizer`` over ``optimizer``; its ``.sparsity`` is the algorithm.
+        ``{param name: bool mask}`` of the entries found (``{}`` for today's layout).
 
     Raises:
-        ValueError / TypeError: from ``configure`` for a bad option (naming it), if the
-            configuration is dense (``sparsity=None``), or if both ``schedule`` and ``update``
-            are given.
+        ValueError: an entry of the wrong shape or not 0/1, or a mask for a parameter that no
+            algorithm on ``root`` sparsifies; ``state_dict`` is then unchanged.
     """
-    if "schedule" in kwargs and "update" in kwargs:
+    paths = mask_paths(root)  # where each mask is now
+    fix = "the checkpoint was saved from a different model configuration"
+    found = {}
+    for name, sp in sparse_params.items():
+        key = prefix + paths.get((id(sp.module), sp.mask_name), f"{name}_mask")
+        if key in state_dict:
+            found[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
+    claimed = {prefix + paths[k] for k in owned_masks(root) if k in paths}
+    params = {prefix + n for n, _ in root.named_parameters()}
+    foreign = [
+        k
+        for k in state_dict
+        if k.startswith(prefix)
+        and k.endswith(_SUFFIX)
+        and k[: -len(_SUFFIX)] in params
+        and k not in claimed
+    ]
+    if foreign:
         raise ValueError(
-            "give the update cadence once: 'schedule' (the Cerebras 2.0 name) or 'update' (2.2+)"
+            f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
+            "dense; include those parameters in param_filter, or drop the keys to load them dense"
         )
-    config: dict[str, Any] = dict(kwargs)
-    if "schedule" in config:
-        config["update"] = config.pop("schedule")  # in 2.0 'schedule' is always the cadence
-    config["algorithm"] = sparsity_type
-    if param_name_patterns is not None:
-        config["param_name_patterns"] = param_name_patterns
-    elif sparse_param_filter is not None:
-        config["param_filter"] = sparse_param_filter
-    sparsity = configure(config)
-    if sparsity is None:
+    for key, _ in found.values():
+        del state_dict[key]
+    return {name: mask for name, (_, mask) in found.items()}
+
+
+def adopt_mask_entries(model: nn.Module) -> None:
+    """From now on ``model`` (which `state_dict.restore_masks` gave masks) takes the ``*_mask``
+    entries of a state dict it loads as its masks (once per model)."""
+    if model not in _ADOPTING:
+        model.register_load_state_dict_pre_hook(_adopt_mask_entries)
+        _ADOPTING.add(model)
+
+
+def _adopt_mask_entries(root: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Load pre-hook of a model `restore_masks` gave masks: ``*_mask`` entries for masks no
+    algorithm owns are checked, all of them, then copied into the buffers and taken out of the
+    dict being loaded (torch passes a copy), so strict loading passes."""
+    owned = owned_masks()
+    found = []
+    for path, module in root.named_modules(remove_duplicate=False):
+        for attr, param in module._parameters.items():
+            buffer = mask_buffer_name(attr)
+            key = f"{prefix}{path}.{buffer}" if path else f"{prefix}{buffer}"
+            if key not in state_dict or module._buffers.get(buffer) is None or param is None:
+                continue
+            if (id(module), buffer) in owned:
+                continue  # the algorithm's own load pre-hook takes it
+            fix = "the state dict is from another model"
+            mask = as_mask(state_dict[key], key, key[: -len(_SUFFIX)], tuple(param.shape), fix)
+            found.append((module, buffer, key, mask))
+    with torch.no_grad():
+        for module, buffer, key, mask in found:
+            module._buffers[buffer].copy_(mask)
+            del state_dict[key]
+
+
+# ------------------------------------------------------------------ state_without_packed_masks
+def earlier_targets(state: Mapping[str, Any], names: list[str], owner: str) -> dict[str, float]:
+    """The targets an earlier version saved with its masks (``"mask_targets"``), for the
+    ``names`` it has (raises on a malformed entry)."""
+    saved = state.get("mask_targets", {})
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{owner}: sparsity state mask_targets must be a dict")
+    try:
+        return {name: float(saved[name]) for name in names if name in saved}
+    except (TypeError, ValueError) as err:
         raise ValueError(
-            f"configure_sparsity_wrapper got a dense configuration ({kwargs!r}); use the "
-            "optimizer directly for dense training"
-        )
-    sparsity.apply(model)
-    sparsity.apply(optimizer)
-    return SparsityWrapperOptimizer(optimizer, sparsity)
+            f"{owner}: sparsity state mask_targets must map names to floats ({err})"
+        ) from None
+
+
+def earlier_ever_active(mask: object, shape: tuple[int, ...]) -> bool:
+    """Whether ``mask`` is an ever-active mask as an earlier version saved it: the bool mask of
+    ``shape`` itself, not packed bits."""
+    return torch.is_tensor(mask) and tuple(mask.shape) == shape and mask.dtype == torch.bool
+
+
+# ------------------------------------------------------------------ callbacks_layout
+def callbacks_layout_state(checkpoint: Mapping[str, Any], key: str) -> Any:
+    """The state an earlier version saved for callback ``key`` under
+    ``checkpoint["callbacks"]`` (Lightning hands it to the callback's ``load_state_dict``
+    itself), or None."""
+    return (checkpoint.get("callbacks") or {}).get(key)
+
+
+def earlier_callback_states(checkpoint: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Every callback state of ``checkpoint["callbacks"]`` (the earlier layout), by key."""
+    return checkpoint.get("callbacks") or {}
+
+
+# ------------------------------------------------------------------ summary_totals
+def summary_totals(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A FLOP meter's state from an earlier run summary's, which saved the totals only."""
+    return {
+        "counters": state["counters"],
+        "last_dense_grad_step": state.get("last_dense_grad_step", -1),
+    }
+
+
+# ------------------------------------------------------------------ hf_bool_masks
+def hf_bool_mask_shapes(saved: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """``{name: shape}`` of the bool ``"masks"`` an earlier version of the transformers Trainer
+    callback saved beside its state; None for today's files (the masks are in the state)."""
+    if "masks" not in saved:
+        return None
+    return {name: tuple(mask.shape) for name, mask in saved["masks"].items()}
+
+
+# ------------------------------------------------------------------ rule_without_name
+# The rule methods and how many arguments they took before the parameter's name came first.
+_RULES = {"update_mask": 3, "grow_score": 1}
+
+
+def named_rule(cls: type, method: str) -> Callable[..., Any] | None:
+    """``cls.<method>`` (``update_mask`` or ``grow_score``, defined in ``cls`` itself) wrapped
+    to take the parameter's name first when it was written without it; None when it takes the
+    name already (or ``cls`` does not define it). Warns (``DeprecationWarning``) once, at the
+    class's definition."""
+    fn = cls.__dict__.get(method)
+    if fn is None or not callable(fn) or getattr(fn, "__isabstractmethod__", False):
+        return None
+    params = list(inspect.signature(fn).parameters.values())[1:]  # after self
+    if not params or params[0].name == "name" or len(params) != _RULES[method]:
+        return None
+    warnings.warn(
+        f"{cls.__qualname__}.{method}{inspect.signature(fn)} takes no parameter name; the rule "
+        f"is {method}(self, name, ...) now (the name first), and this form goes in "
+        f"{SHIMS['rule_without_name'].removed_in}",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+
+    @functools.wraps(fn)
+    def with_name(self: Any, name: str, *args: Any, **kwargs: Any) -> Any:
+        return fn(self, *args, **kwargs)
+
+    return with_name

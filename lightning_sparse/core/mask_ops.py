@@ -21,9 +21,13 @@ import math
 import torch
 from torch import Tensor
 
+from . import masking
+
 _INF = float("inf")
 # Rows at least this long, on the CPU, take the sampled selection (tests lower it to 1).
 HOST_SELECT_MIN = 1 << 14
+# Masks of at least this many entries in such rows are counted row by row on the CPU (`row_counts`).
+COUNT_BY_ROW_MIN = 1 << 20
 _SAMPLE = 4096  # about this many sampled scores bound the threshold
 
 
@@ -76,7 +80,7 @@ def topk_mask(score: Tensor, k: int | Tensor) -> Tensor:
     if k == 0 or k == n:
         return torch.full_like(score, k == n, dtype=torch.bool)
     score = _without_nan(score)
-    if _host_select(score):
+    if host_select(score):
         return _top_mask(score.reshape(-1), k, None, n).reshape(score.shape)
     # The k-th largest equals the (n - k + 1)-th smallest: select whichever side is shorter.
     if k <= n - k + 1:
@@ -100,9 +104,26 @@ def _topk_mask_per_row(score: Tensor, k: Tensor) -> Tensor:
 
 
 def row_counts(masks: Tensor, keepdim: bool = False) -> Tensor:
-    """True entries per row of bool ``masks [..., n]``, int32 ``[...]`` (``n < 2**31``): summed
-    as bytes into int32, without the int64 copy of every entry a sum of bools makes (about half
-    the time on the CPU)."""
+    """True entries per row of bool ``masks [..., n]``, int32 ``[...]`` (``n < 2**31``).
+
+    The one row count of the package (top-k's ties, drop-and-grow's kept counts, an update's
+    figures). One reduction: the bytes summed into int32, without the int64 copy of every entry
+    a sum of bools makes. Where each op is not a kernel launch (the CPU,
+    `masking.FUSED_FOREACH_DEVICES`), rows of ``HOST_SELECT_MIN`` or more in masks of
+    ``COUNT_BY_ROW_MIN`` entries or more (an update's stacked masks) are counted one by one
+    with ``count_nonzero`` instead: a row-wise byte sum of that size is a type-converting loop
+    there, several times slower (benchmarks/README.md, "Row counts on the CPU").
+    """
+    n = masks.shape[-1]
+    if (
+        masks.device.type not in masking.FUSED_FOREACH_DEVICES
+        and n >= HOST_SELECT_MIN
+        and masks.numel() >= COUNT_BY_ROW_MIN
+    ):
+        rows = masks.reshape(-1, n).unbind(0)
+        counts = torch.stack([row.count_nonzero() for row in rows]).to(torch.int32)
+        counts = counts.reshape(masks.shape[:-1])
+        return counts.unsqueeze(-1) if keepdim else counts
     return masks.view(torch.uint8).sum(-1, keepdim=keepdim, dtype=torch.int32)
 
 
@@ -120,8 +141,10 @@ def _keep_threshold(
     return above | (ties & (ties.cumsum(-1, dtype=torch.int32) <= needed))
 
 
-def _host_select(t: Tensor) -> bool:
-    """Whether ``t`` ([..., n]) is one CPU row long enough for the sampled selection."""
+def host_select(t: Tensor) -> bool:
+    """Whether top-k over ``t`` (``[..., n]``) takes the sampled selection: one CPU row (a
+    single row, not a batch of them: each row keeps its own ``k``) of ``HOST_SELECT_MIN`` or
+    more."""
     return t.device.type == "cpu" and t.shape[-1] >= HOST_SELECT_MIN and t.numel() == t.shape[-1]
 
 
@@ -256,7 +279,7 @@ def drop_and_grow(
         _check_int("drop_and_grow n_drop", n_drop, 0, n)
     if not isinstance(n_total, Tensor):
         _check_int("drop_and_grow n_total", n_total, 0, n)
-    if isinstance(n_drop, int) and isinstance(n_total, int) and _host_select(mask):
+    if isinstance(n_drop, int) and isinstance(n_total, int) and host_select(mask):
         return _drop_and_grow_host(drop_score, grow_score, mask, n_drop, n_total)
     # 1. Drop the n_drop weakest active positions. Flipped so that among equal scores the
     #    higher index is dropped first, i.e. the survivors are the top scores, ties to the lower
@@ -290,78 +313,3 @@ def _drop_host(drop_score: Tensor, mask: Tensor, n_drop: int) -> tuple[Tensor, i
     n_kept = n_active - min(n_drop, n_active)
     # Keep the n_kept strongest active positions (ties to the lower index).
     return _top_mask(_finite(drop_score).reshape(-1), n_kept, active, n_active), n_kept
-
-
-# Sampled random growth is used while at most this share of the free positions is grown; past
-# it, rejection sampling would redraw too often and a full random score is cheaper.
-_RANDOM_GROW_MAX_SHARE = 0.25
-_OVERDRAW, _EXTRA_DRAWS = 1.25, 64  # draws per wanted position, scaled by n / n_free; + margin
-
-
-def drop_and_grow_random(
-    drop_score: Tensor,
-    mask: Tensor,
-    n_drop: int | Tensor,
-    n_total: int | Tensor,
-    generator: torch.Generator,
-) -> Tensor:
-    """``drop_and_grow`` whose growth is uniformly random among the positions not kept (SET).
-
-    Mocanu et al. 2018 (arXiv:1707.04780) regrow as many connections as were dropped, uniformly
-    at random among the inactive ones. The general route scores every position with
-    ``torch.rand(mask.shape, generator=generator)`` and grows the top ``n_grow``, drawing a
-    random number per weight to regrow a few percent of them. On one long CPU row (the
-    ``Unstructured`` case) growing at most a quarter of the free positions, this draws only
-    about ``1.25 * n_grow * n / n_free`` random positions (``torch.randint`` from the same
-    ``generator``), rejects kept and repeated ones and grows the first ``n_grow`` distinct free
-    positions in draw order: a uniformly random ``n_grow``-subset of the free positions
-    (sequential sampling without replacement), drawn again while too few came up. Both routes
-    are deterministic in ``generator``; they are different random streams.
-
-    Args:
-        drop_score: ``[groups, n]`` float score of the active connections; higher = keep.
-        mask: ``[groups, n]`` bool, the current mask.
-        n_drop, n_total: as in ``drop_and_grow``.
-        generator: the random stream (e.g. from ``rng.generator_for(seed, step, name, device)``),
-            on ``mask``'s device.
-
-    Returns:
-        ``[groups, n]`` bool mask, with the counts of ``drop_and_grow``.
-    """
-    if (
-        isinstance(n_drop, int)
-        and isinstance(n_total, int)
-        and drop_score.shape == mask.shape
-        and mask.dtype == torch.bool
-        and _host_select(mask)
-    ):
-        _check_int("drop_and_grow n_drop", n_drop, 0, mask.shape[-1])
-        _check_int("drop_and_grow n_total", n_total, 0, mask.shape[-1])
-        kept, n_kept = _drop_host(drop_score, mask, n_drop)
-        n_grow = max(n_total - n_kept, 0)
-        n_free = kept.numel() - n_kept
-        if n_grow <= _RANDOM_GROW_MAX_SHARE * n_free:
-            grown = _sample_free(~kept, n_free, n_grow, generator)
-            return (kept | grown).reshape(mask.shape)
-    grow_score = torch.rand(mask.shape, generator=generator, device=mask.device)
-    return drop_and_grow(drop_score, grow_score, mask, n_drop, n_total)
-
-
-def _sample_free(free: Tensor, n_free: int, k: int, generator: torch.Generator) -> Tensor:
-    """``[n]`` bool with ``k`` of the ``n_free`` True positions of ``free`` ([n] bool), drawn
-    uniformly without replacement: the first ``k`` distinct free ones of uniform draws."""
-    n = free.numel()
-    grown = torch.zeros_like(free)
-    chosen = torch.empty(0, dtype=torch.long)
-    while chosen.numel() < k:
-        wanted = k - chosen.numel()
-        size = max(int(_OVERDRAW * wanted * n / n_free) + _EXTRA_DRAWS, 1)
-        draws = torch.randint(n, (size,), generator=generator)
-        seq = torch.cat([chosen, draws[free[draws]]])
-        # The first occurrence of each position, in draw order: slot[i] = first index of i.
-        order = torch.arange(seq.numel(), dtype=torch.int32)
-        slot = torch.full((n,), seq.numel(), dtype=torch.int32)
-        slot.scatter_reduce_(0, seq, order, "amin")
-        chosen = seq[slot[seq] == order]
-    grown[chosen[:k]] = True
-    return grown

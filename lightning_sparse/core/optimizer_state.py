@@ -50,8 +50,9 @@ def sqrt_state(
     """The CPU state tensors ``optimizer.step()`` takes the square root of, with their masks
     (plain tensors: a sharded ``DTensor`` is left alone):
     Adam's and AdamW's ``exp_avg_sq`` (and ``max_exp_avg_sq``), unless ``fused``. Empty for any
-    other optimizer. ``torch.sqrt`` on the CPU is about 6x slower on exact zeros than on other
-    values (torch 2.13; the fused kernel is not), and sparsity makes most entries exact zeros."""
+    other optimizer. ``torch.sqrt`` on the CPU is several times slower on exact zeros than on
+    other values (the fused kernel is not; benchmarks/README.md, "Figures behind the code"), and
+    sparsity makes most entries exact zeros."""
     keys = _SQRT_STATE.get(type(optimizer))
     if keys is None or any(group.get("fused") for group in optimizer.param_groups):
         return [], []

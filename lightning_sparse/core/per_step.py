@@ -17,8 +17,8 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    grew, since its last step, the same-shape optimizer state.
    Last (`hold_denominators`), for Adam and AdamW on the CPU: the pruned entries of ``exp_avg_sq``
    hold 1.0 during the step. Their update is 0 either way (its numerator, ``exp_avg``, is 0
-   there), and ``torch.sqrt`` on the CPU is about 6x slower on exact zeros than on other values
-   (torch 2.13, the for-loop and foreach kernels): about 3% of a step at sparsity 0.8.
+   there), and ``torch.sqrt`` on the CPU (the for-loop and foreach kernels) is several times
+   slower on exact zeros than on other values (benchmarks/README.md, "Figures behind the code").
 3. **after** ``optimizer.step()`` (`after_step`): the held denominators are exact zeros again;
    nothing else for optimizers whose update keeps zeros where weight, gradient and state are 0
    (`optimizer_state.state_keeps_zero`); the weights, and the state, of any other.
@@ -31,8 +31,9 @@ optimizer step, through official PyTorch hooks only. The moments, one method eac
    the meta device is built again from the weights; one ``to_empty`` replaced on its own device
    holds unknown values, and `rebind` refuses until the algorithm's state is loaded.
 5. **a model state dict loads** (`before_model_load`, `after_model_load`): the weights are pruned
-   at once; an earlier version's ``*_mask`` entries become the masks; the values pruning zeroed are
-   kept (``unpruned``) until the next step, for a sparsity state loaded next.
+   at once; masks the state dict brought (``take_incoming``: an earlier version's ``*_mask``
+   entries, `legacy`) become the masks; the values pruning zeroed are kept (``unpruned``) until
+   the next step, for a sparsity state loaded next.
 
 Hooks are held by `_Hook` wrappers that pickle and deep-copy as no-ops, so ``torch.save(model)``
 and ``copy.deepcopy(model)`` work and the copy carries masks but no live algorithm.
@@ -61,11 +62,14 @@ from .masking import (
 from .optimizer_state import same_shape_state, sqrt_state, state_keeps_zero
 from .sharding import local, shard_like
 from .sparse_parameter import SparseParameter
-from .state_dict import take_mask_entries
 
 __all__ = ["StepHooks", "state_keeps_zero"]
 
 StepHook = Callable[[torch.optim.Optimizer, Any, Any], None]
+# (state dict being loaded, prefix, root, sparse parameters) -> {name: mask} it brings, taken out.
+TakeIncoming = Callable[
+    [dict[str, Any], str, nn.Module, Mapping[str, Any]], dict[str, torch.Tensor]
+]
 
 
 class StepHooks:
@@ -76,6 +80,8 @@ class StepHooks:
         dense_grad: whether this step's backward must leave gradients dense (an update that
             reads them is due).
         initial_mask: ``(name, weight) -> mask``, for a mask buffer created on the meta device.
+        take_incoming: the masks a model state dict being loaded brings, taken out of it (in
+            the model's load pre-hook); none when not given.
     """
 
     def __init__(
@@ -83,10 +89,12 @@ class StepHooks:
         sparse_params: Mapping[str, SparseParameter],
         dense_grad: Callable[[], bool],
         initial_mask: Callable[[str, torch.Tensor], torch.Tensor],
+        take_incoming: TakeIncoming | None = None,
     ) -> None:
         self.sparse_params = sparse_params
         self.dense_grad = dense_grad
         self.initial_mask = initial_mask
+        self.take_incoming = take_incoming
         self.version = 0  # moves whenever masks, parameters or loaded state change
         self._seen: dict[str, _Seen] = {}  # what each hook is on, held weakly
         self._grad_hooks: dict[str, RemovableHandle] = {}
@@ -98,7 +106,7 @@ class StepHooks:
         self._held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # 1.0 if pruned
         self._optimizers: dict[int, tuple[weakref.ref, list[RemovableHandle]]] = {}
         self._load_hooks: list[RemovableHandle] = []
-        self.incoming: dict[str, torch.Tensor] = {}  # masks an old-layout state dict brought
+        self.incoming: dict[str, torch.Tensor] = {}  # masks a loading state dict brought
         # Told the parameter's name when the module lets a mask go (`_mask_dropped`).
         self.on_mask_dropped: list[Callable[[str], None]] = []
         self.unpruned: dict[str, PrunedValues] = {}  # values the last model load zeroed
@@ -365,10 +373,12 @@ class StepHooks:
     def before_model_load(
         self, root: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
     ) -> None:
-        """The model's load pre-hook: an earlier version's ``*_mask`` entries for these masks are
-        checked and taken out of ``state_dict`` to become the masks after the load
-        (`state_dict.take_mask_entries`; it raises before anything loads)."""
-        self.incoming = take_mask_entries(state_dict, prefix, root, self.sparse_params)
+        """The model's load pre-hook: masks ``state_dict`` brings for these parameters are taken
+        out of it to become the masks after the load (``take_incoming``: an earlier version's
+        ``*_mask`` entries, checked by `legacy.take_mask_entries`, which raises before anything
+        loads)."""
+        if self.take_incoming is not None:
+            self.incoming = self.take_incoming(state_dict, prefix, root, self.sparse_params)
 
     def after_model_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The model's load post-hook: follow assigned parameters, adopt incoming masks, keep the

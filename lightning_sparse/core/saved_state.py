@@ -1,10 +1,12 @@
-"""An algorithm's saved state, checked: pure functions over the dict ``state_dict()`` returns.
+"""An algorithm's saved state: made (`pack_state`), checked, read, and restored into its masks.
 
 The state holds the step (and the step of the last update), the seed, what identifies the run
 (``"algorithm"``, ``"params"`` = names and shapes, ``"config"`` = hyper-parameter reprs) and the
 masks, 1 bit per element (``"masks"``, `bitpack`), the one saved copy of the masks. Every check
 here runs before a load changes anything, so a refused state leaves the algorithm, its masks and
-the model as they were; a `Group` checks every member before any loads. Earlier versions' states
+the model as they were; a `Group` checks every member before any loads. The checks and readers
+are pure functions over the dict ``state_dict()`` returns; `restore_masks_` and
+`restore_ever_active_` write the live masks in place. Earlier versions' states
 (no ``"masks"``: the masks came with the model state dict; ``"mask_targets"`` instead of
 ``"last_update_step"``) still pass.
 """
@@ -17,9 +19,22 @@ from typing import Any
 
 import torch
 
-from .bitpack import unpack_bits
+from .bitpack import pack_bits, unpack_bits
+from .legacy import earlier_ever_active, earlier_targets
+from .masking import PrunedValues
+from .sharding import full, local, shard_like
+from .sparse_parameter import SparseParameter
 
-__all__ = ["Expected", "check_state", "saved_ever_active", "saved_masks", "saved_targets"]
+__all__ = [
+    "Expected",
+    "check_state",
+    "pack_state",
+    "restore_ever_active_",
+    "restore_masks_",
+    "saved_ever_active",
+    "saved_masks",
+    "saved_targets",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +62,36 @@ class Expected:
 
 
 Target = Callable[[str, int], float]  # (param name, step) -> the sparsity its mask was built for
+
+
+def pack_state(
+    *,
+    step: int,
+    last_update_step: int,
+    seed: int | None,
+    kind: str,
+    masks: Mapping[str, torch.Tensor],
+    config: dict[str, str],
+    removed: bool,
+    ever_active: Mapping[str, torch.Tensor],
+) -> dict[str, Any]:
+    """The state ``state_dict()`` returns: plain Python values and tensors, loadable with
+    ``torch.load(weights_only=True)``. ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the
+    CPU, shapes in ``"params"`` (a sharded mask is all-gathered: call it on every rank);
+    ``"ever_active"`` (ITOP) packed like the masks, when there are any."""
+    state: dict[str, Any] = {
+        "step": step,
+        "last_update_step": last_update_step,
+        "seed": seed,
+        "algorithm": kind,
+        "params": {name: list(mask.shape) for name, mask in masks.items()},
+        "config": config,
+        "masks": {name: pack_bits(full(mask)).cpu() for name, mask in masks.items()},
+        "removed": removed,
+    }
+    if ever_active:  # packed like the masks: on the CPU, 1 bit per weight
+        state["ever_active"] = {n: pack_bits(full(m)).cpu() for n, m in ever_active.items()}
+    return state
 
 
 def check_state(state: Any, expected: Expected, target: Target, loading: bool = True) -> None:
@@ -148,9 +193,9 @@ def _check_ever_active(state: Mapping[str, Any], expected: Expected) -> None:
         shape = expected.ever_active.get(name)
         if shape is None:
             continue
-        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
-        if got == shape and mask.dtype == torch.bool:  # an earlier version's: the mask itself
+        if earlier_ever_active(mask, shape):  # an earlier version's: the mask itself
             continue
+        got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
         try:
             unpack_bits(mask, shape)  # packed like the masks
         except ValueError as err:
@@ -169,8 +214,8 @@ def saved_ever_active(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     for name, mask in (state.get("ever_active") or {}).items():
         if name not in shapes:
             continue
-        packed = mask.dtype != torch.bool
-        out[name] = unpack_bits(mask, shapes[name]) if packed else mask
+        shape = tuple(shapes[name])
+        out[name] = mask if earlier_ever_active(mask, shape) else unpack_bits(mask, shape)
     return out
 
 
@@ -217,12 +262,37 @@ def saved_targets(
     last = state.get("last_update_step", -1)
     if last >= 0:
         return {name: target(name, last) for name in names}
-    saved = state.get("mask_targets", {})
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{owner}: sparsity state mask_targets must be a dict")
-    try:
-        return {name: float(saved[name]) for name in names if name in saved}
-    except (TypeError, ValueError) as err:
-        raise ValueError(
-            f"{owner}: sparsity state mask_targets must map names to floats ({err})"
-        ) from None
+    return earlier_targets(state, names, owner)
+
+
+def restore_ever_active_(
+    ever_active: Mapping[str, torch.Tensor], saved: Mapping[str, torch.Tensor]
+) -> None:
+    """Copy the ``saved`` ever-active masks (`saved_ever_active`) into the live ones."""
+    for name, mask in saved.items():
+        if name in ever_active:
+            ever = ever_active[name]
+            ever.copy_(shard_like(mask.to(ever.device), ever))
+
+
+def restore_masks_(
+    sparse_params: Mapping[str, SparseParameter],
+    masks: Mapping[str, torch.Tensor],
+    removed: bool,
+    unpruned: Mapping[str, PrunedValues],
+) -> None:
+    """Copy the saved ``masks`` (`saved_masks`) into the mask buffers (all ones for a removed
+    algorithm's state), put back first the values a model load just zeroed (``unpruned``) and
+    prune. A parameter without a saved mask keeps its mask (an earlier version's state: the
+    masks came with the model)."""
+    with torch.no_grad():
+        for name, sp in sparse_params.items():
+            if name not in masks and not removed:
+                continue  # an earlier version's state: the masks came with the model
+            if name in unpruned:
+                unpruned[name].put_back_(sp.param, local(sp.param))
+            if removed:
+                sp.mask.fill_(True)
+            else:
+                sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
+            sp.prune_()

@@ -19,11 +19,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import validate
-from .cadences import (  # noqa: F401  (re-exported: the cadences' home before `cadences`)
+from .cadences import (  # noqa: F401  (re-exported: their home before `cadences`; `legacy`)
     CallableSchedule,
     FreqSchedule,
     ListSchedule,
     NeverSchedule,
+    StepFunction,
     UpdateSchedule,
     _callable_name,
     _int,
@@ -198,19 +199,10 @@ class Cycling(HyperParameterSchedule):
         return self.values[k % len(self.values)]
 
 
-class Lambda(HyperParameterSchedule):
-    """``y(t) = fn(t)`` for any Python callable ``fn: int -> float``."""
+class Lambda(StepFunction, HyperParameterSchedule):
+    """``y(t) = float(fn(t))`` for any Python callable ``fn: int -> float``."""
 
-    def __init__(self, fn: Callable[[int], float]) -> None:
-        if not callable(fn):
-            raise TypeError(f"Lambda fn must be callable step -> float, got {fn!r}")
-        self.fn = fn
-
-    def __call__(self, step: int) -> float:
-        return float(self.fn(step))
-
-    def __repr__(self) -> str:  # stable across processes (checkpoints compare it)
-        return f"Lambda(fn={_callable_name(self.fn)})"
+    cast = float
 
 
 class Polynomial(HyperParameterSchedule):
@@ -373,6 +365,28 @@ def first_undefined_use(
         return None
     uses = [s for s in (cadence.next_update(limit + 1), *extra) if s is not None and s > limit]
     return min(uses, default=None)
+
+
+def check_schedule(
+    schedule: HyperParameterSchedule,
+    what: str,
+    cadence: UpdateSchedule,
+    horizon: int,
+    extra: Iterable[int],
+    check: Callable[..., float],
+) -> None:
+    """Check the values of ``schedule`` used in ``[0, horizon]`` (`steps_to_check`) with
+    ``check``, the validator of their kind (`validate.sparsity`, `validate.drop_fraction`), and
+    refuse a schedule that fails at any later update step (`first_undefined_use`).
+
+    Raises:
+        ValueError: a value out of range or not finite, naming ``what``, the step and the fix.
+    """
+    for step in steps_to_check(cadence, horizon, extra):
+        check(evaluate(schedule, step, what), step=step, schedule=schedule)
+    undefined = first_undefined_use(schedule, cadence, extra)
+    if undefined is not None:
+        evaluate(schedule, undefined, what)  # raises naming the step (the overflow)
 
 
 # --------------------------------------------------------------------------------------------

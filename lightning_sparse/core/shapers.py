@@ -49,6 +49,20 @@ class Shaper(ABC):
         return int((1.0 - sparsity) * row_len)
 
 
+def _two_d(
+    owner: Shaper, param_shape: torch.Size | tuple[int, ...], name: str, instead: str
+) -> tuple[int, ...]:
+    """``param_shape`` as a tuple, if it is 2-D ``[out, in]``; else a ``ValueError`` naming the
+    shapers to use ``instead``."""
+    shape = tuple(param_shape)
+    if len(shape) != 2:
+        raise ValueError(
+            f"{owner!r} needs a 2-D [out, in] weight but {name} has shape {shape}; use "
+            f"{instead} for other shapes"
+        )
+    return shape
+
+
 def _check_divides(
     owner: Shaper, name: str, shape: tuple[int, ...], size: int, what: str, n: int
 ) -> None:
@@ -120,12 +134,7 @@ class InputGroups(Shaper):
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
         """Require a 2-D shape with ``numel`` divisible by ``groups``."""
-        shape = tuple(param_shape)
-        if len(shape) != 2:
-            raise ValueError(
-                f"{self!r} needs a 2-D [out, in] weight but {name} has shape {shape}; use "
-                f"OutputGroups or Unstructured for other shapes"
-            )
+        shape = _two_d(self, param_shape, name, "OutputGroups or Unstructured")
         _check_divides(self, name, shape, math.prod(shape), "element count", self.groups)
 
     def shape(self, t: Tensor) -> Tensor:
@@ -201,12 +210,7 @@ class Blocks(Shaper):
 
     def check(self, param_shape: torch.Size | tuple[int, ...], name: str = "tensor") -> None:
         """Require a 2-D shape divisible by ``(h, w)``."""
-        shape = tuple(param_shape)
-        if len(shape) != 2:
-            raise ValueError(
-                f"{self!r} needs a 2-D [out, in] weight but {name} has shape {shape}; use "
-                f"Unstructured for other shapes"
-            )
+        shape = _two_d(self, param_shape, name, "Unstructured")
         _check_divides(self, name, shape, shape[0], "output dim", self.h)
         _check_divides(self, name, shape, shape[1], "input dim", self.w)
 

@@ -12,46 +12,25 @@ everything here reads both layouts.
 - `restore_masks`: register those masks on a model that has none (no algorithm), for
   inference, export or the device;
 - `strip_masks`: a state dict without ``*_mask`` entries and with pruned weights zero, for a
-  dense model;
-- `take_mask_entries`: an algorithm's masks out of an earlier version's state dict as the model
-  loads it (the per-step path's load pre-hook).
+  dense model.
+
+The earlier layout's entries are read with `legacy` (``mask_entries``).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from .applied import mask_paths, owned_masks
 from .bitpack import unpack_bits
+from .legacy import adopt_mask_entries, mask_keys
 from .masking import zero_pruned_
 from .sparse_parameter import as_mask, mask_buffer_name
 
-__all__ = [
-    "checkpoint_masks",
-    "mask_keys",
-    "model_masks",
-    "restore_masks",
-    "strip_masks",
-    "take_mask_entries",
-]
-
-_SUFFIX = mask_buffer_name("")  # "_mask"
-_ADOPTING: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models with `_adopt_mask_entries`
-
-
-def mask_keys(state_dict: Mapping[str, Any]) -> dict[str, str]:
-    """``{mask key: parameter key}`` for every ``<name>_mask`` entry whose ``<name>`` is present
-    (the layout of earlier versions)."""
-    return {
-        key: key[: -len(_SUFFIX)]
-        for key in state_dict
-        if key.endswith(_SUFFIX) and key[: -len(_SUFFIX)] in state_dict
-    }
+__all__ = ["checkpoint_masks", "model_masks", "restore_masks", "strip_masks"]
 
 
 def model_masks(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -199,80 +178,6 @@ def restore_masks(model: nn.Module, source: Mapping[str, Any]) -> list[str]:
         todo.append((module, mask_buffer_name(attr), name, mask.to(params[name].device)))
     for module, buffer_name, _, mask in todo:
         module.register_buffer(buffer_name, mask.clone(), persistent=False)
-    if todo and model not in _ADOPTING:
-        model.register_load_state_dict_pre_hook(_adopt_mask_entries)
-        _ADOPTING.add(model)
+    if todo:
+        adopt_mask_entries(model)
     return [f"{name}_mask" for _, _, name, _ in todo]
-
-
-def _adopt_mask_entries(root: nn.Module, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
-    """Load pre-hook of a model `restore_masks` gave masks: ``*_mask`` entries for masks no
-    algorithm owns are checked, all of them, then copied into the buffers and taken out of the
-    dict being loaded (torch passes a copy), so strict loading passes."""
-    owned = owned_masks()
-    found = []
-    for path, module in root.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
-            buffer = mask_buffer_name(attr)
-            key = f"{prefix}{path}.{buffer}" if path else f"{prefix}{buffer}"
-            if key not in state_dict or module._buffers.get(buffer) is None or param is None:
-                continue
-            if (id(module), buffer) in owned:
-                continue  # the algorithm's own load pre-hook takes it
-            fix = "the state dict is from another model"
-            mask = as_mask(state_dict[key], key, key[: -len(_SUFFIX)], tuple(param.shape), fix)
-            found.append((module, buffer, key, mask))
-    with torch.no_grad():
-        for module, buffer, key, mask in found:
-            module._buffers[buffer].copy_(mask)
-            del state_dict[key]
-
-
-def take_mask_entries(
-    state_dict: dict[str, Any],
-    prefix: str,
-    root: nn.Module,
-    sparse_params: Mapping[str, Any],
-) -> dict[str, torch.Tensor]:
-    """An earlier version's ``*_mask`` entries for ``sparse_params``, checked and taken out of
-    ``state_dict`` (a model's load pre-hook: torch passes it a copy), so strict loading passes.
-
-    Args:
-        state_dict: the dict being loaded.
-        prefix: the key prefix of ``root`` in it.
-        root: the model the algorithm was applied to (its masks are found by module, so a wrapper
-            that moved a layer, peft's ``base_layer``, still loads).
-        sparse_params: the algorithm's ``{name: SparseParameter}``.
-
-    Returns:
-        ``{param name: bool mask}`` of the entries found (``{}`` for today's layout).
-
-    Raises:
-        ValueError: an entry of the wrong shape or not 0/1, or a mask for a parameter that no
-            algorithm on ``root`` sparsifies; ``state_dict`` is then unchanged.
-    """
-    paths = mask_paths(root)  # where each mask is now
-    fix = "the checkpoint was saved from a different model configuration"
-    found = {}
-    for name, sp in sparse_params.items():
-        key = prefix + paths.get((id(sp.module), sp.mask_name), f"{name}_mask")
-        if key in state_dict:
-            found[name] = (key, as_mask(state_dict[key], key, name, sp.mask.shape, fix))
-    claimed = {prefix + paths[k] for k in owned_masks(root) if k in paths}
-    params = {prefix + n for n, _ in root.named_parameters()}
-    foreign = [
-        k
-        for k in state_dict
-        if k.startswith(prefix)
-        and k.endswith(_SUFFIX)
-        and k[: -len(_SUFFIX)] in params
-        and k not in claimed
-    ]
-    if foreign:
-        raise ValueError(
-            f"checkpoint has masks for {foreign[:3]} which this sparsity configuration leaves "
-            "dense; include those parameters in param_filter, or drop the keys to load them dense"
-        )
-    for key, _ in found.values():
-        del state_dict[key]
-    return {name: mask for name, (_, mask) in found.items()}

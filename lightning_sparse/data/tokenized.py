@@ -115,9 +115,10 @@ class TokenizedTextDataModule(ByteTextDataModule):
             ``vocab_size``: Lightning refuses a data hparam that `LitCausalLM`'s contradicts.)
         save_tokenizer: Directory the trained BPE is saved to (``save_pretrained``; rank 0
             only), so a model, an export or a later run can load it with `tokenizer=`.
-        paths, pattern, val_paths, val_every, seq_len, batch_size, max_bytes, val_windows, seed,
-            num_workers, test_windows, predict_prompts: As in `ByteTextDataModule`; `max_bytes`
-            caps the training text read.
+        **kwargs: `ByteTextDataModule`'s (``paths``, ``pattern``, ``val_paths``, ``val_every``,
+            ``seq_len``, ``batch_size``, ``max_bytes``, ``val_windows``, ``seed``,
+            ``num_workers``, ``test_windows``, ``predict_prompts``); ``max_bytes`` caps the
+            training text read.
     """
 
     def __init__(
@@ -125,37 +126,13 @@ class TokenizedTextDataModule(ByteTextDataModule):
         tokenizer: str | None = None,
         bpe_vocab_size: int = 512,
         save_tokenizer: str | None = None,
-        paths: list[str] | None = None,
-        pattern: str = "*.py",
-        val_paths: list[str] | None = None,
-        val_every: int = 20,
-        seq_len: int = 256,
-        batch_size: int = 32,
-        max_bytes: int | None = 8_000_000,
-        val_windows: int = 128,
-        seed: int | None = None,
-        num_workers: int = 0,
-        test_windows: int = 128,
-        predict_prompts: int = 8,
+        **kwargs: Any,
     ) -> None:
         if tokenizer is None:
             check_bpe_vocab(bpe_vocab_size)
-        super().__init__(
-            paths,
-            pattern,
-            val_paths,
-            val_every,
-            seq_len,
-            batch_size,
-            max_bytes,
-            val_windows,
-            seed,
-            num_workers,
-            test_windows,
-            predict_prompts,
-        )
+        super().__init__(**kwargs)
         self.save_hyperparameters()
-        self.hparams["seed"] = experiment_seed(seed)  # as the parent: the seed in force
+        self.hparams["seed"] = experiment_seed(kwargs.get("seed"))  # as the parent: the seed
         self._tokenizer: Any = None
         self._train_texts: list[str] | None = None
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from lightning_sparse.core import Group, SparsityAlgorithm
+from lightning_sparse.core import Group, SparsityAlgorithm, legacy
 
 __all__ = ["STATE_FILE", "SparsityTrainerCallback"]
 
@@ -107,7 +107,7 @@ class SparsityTrainerCallback(TrainerCallback):
             self._restore(model, saved)
         inner = _torch_optimizer(optimizer)
         # The callback calls before_step itself, after the last backward (not the pre-hook).
-        self.sparsity.lightning_driven = True
+        self.sparsity.step_driver = "transformers.Trainer"
         self.sparsity.check_finite = bool(args.fp16)  # a step the scaler skips updates nothing
         for stale in [o for o in self.sparsity.optimizers if o is not inner]:
             self.sparsity.detach_optimizer(stale)  # a previous train()'s optimizer
@@ -253,8 +253,9 @@ class SparsityTrainerCallback(TrainerCallback):
 def _saved_shapes(saved: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of the masks in a ``sparsity_state.pt``: the algorithm
     state's parameters (a `Group`'s members' together), or an earlier version's bool masks."""
-    if "masks" in saved:
-        return {name: tuple(mask.shape) for name, mask in saved["masks"].items()}
+    earlier = legacy.hf_bool_mask_shapes(saved)
+    if earlier is not None:
+        return earlier
     states = saved["algorithm"].get("groups", [saved["algorithm"]])
     return {name: tuple(shape) for s in states for name, shape in s.get("params", {}).items()}
 

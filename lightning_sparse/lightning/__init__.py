@@ -25,7 +25,7 @@ from lightning_sparse.lightning.loading import SparseLoadingMixin, restore_check
 from lightning_sparse.lightning.spdf import VariableSPDF
 from lightning_sparse.lightning.summary import SparseRunSummary
 
-DynamicSparsityAlgorithm = SparsityAlgorithm
+DynamicSparsityAlgorithm = SparsityAlgorithm  # an earlier name (core.legacy: removed in 0.3.0)
 
 __all__ = [
     "GMP",

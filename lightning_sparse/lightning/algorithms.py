@@ -3,7 +3,8 @@
 ``lightning_sparse.RigL`` is ``lightning_sparse.core.RigL`` plus the callback hooks, so the same
 object works in ``Trainer(callbacks=[...])``, in LightningCLI YAML (``class_path:
 lightning_sparse.RigL``) and in a plain PyTorch loop. A user algorithm subclassing
-``lightning_sparse.SparsityAlgorithm`` is both too.
+``lightning_sparse.SparsityAlgorithm`` is both too. Each class keeps its core class's docstring
+(the paper and the arguments: `SparsityCallback.__init_subclass__`).
 """
 
 from __future__ import annotations
@@ -28,36 +29,28 @@ __all__ = [
 ]
 
 
-class SparsityAlgorithm(core.SparsityAlgorithm, SparsityCallback, register=False):
-    __doc__ = core.SparsityAlgorithm.__doc__
+class SparsityAlgorithm(core.SparsityAlgorithm, SparsityCallback, register=False): ...
 
 
-class DropAndGrow(core.DropAndGrow, SparsityCallback, register=False):
-    __doc__ = core.DropAndGrow.__doc__
+class DropAndGrow(core.DropAndGrow, SparsityCallback, register=False): ...
 
 
-class Static(core.Static, SparsityCallback, register=False):
-    __doc__ = core.Static.__doc__
+class Static(core.Static, SparsityCallback, register=False): ...
 
 
-class GMP(core.GMP, SparsityCallback, register=False):
-    __doc__ = core.GMP.__doc__
+class GMP(core.GMP, SparsityCallback, register=False): ...
 
 
-class SET(core.SET, SparsityCallback, register=False):
-    __doc__ = core.SET.__doc__
+class SET(core.SET, SparsityCallback, register=False): ...
 
 
-class RigL(core.RigL, SparsityCallback, register=False):
-    __doc__ = core.RigL.__doc__
+class RigL(core.RigL, SparsityCallback, register=False): ...
 
 
-class GraNet(core.GraNet, SparsityCallback, register=False):
-    __doc__ = core.GraNet.__doc__
+class GraNet(core.GraNet, SparsityCallback, register=False): ...
 
 
-class Group(core.Group, SparsityCallback):
-    __doc__ = core.Group.__doc__
+class Group(core.Group, SparsityCallback): ...
 
 
 _CALLBACKS: dict[type, type] = {

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.cloud_io import _load as pl_load
 
+from lightning_sparse.core import legacy
 from lightning_sparse.core.algorithms import Group, SparsityAlgorithm
 from lightning_sparse.core.init_methods import INIT_METHODS
 from lightning_sparse.core.schedules import Constant
@@ -72,10 +73,15 @@ class SparsityStateCallback(pl.Callback):
 class SparsityCallback(SparsityStateCallback):
     """Mixed into an algorithm or `Group` class (after it) to make it a Lightning callback."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__doc__ is None:  # a core class made a callback: its docstring, paper and arguments
+            cls.__doc__ = next((base.__doc__ for base in cls.__mro__[1:] if base.__doc__), None)
+
     if TYPE_CHECKING:  # The algorithm's (or Group's) API that the hooks below call.
         name: str
         root: torch.nn.Module | None
-        lightning_driven: bool
+        step_driver: str | None
         check_finite: bool
         unlogged_update: bool
         last_update: dict[str, dict[str, torch.Tensor]]
@@ -116,7 +122,7 @@ class SparsityCallback(SparsityStateCallback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Make the optimizers of ``configure_optimizers`` sparse; the callback drives updates."""
         self._apply_once(pl_module)
-        self.lightning_driven = True
+        self.step_driver = "lightning.Trainer"  # before_step from on_before_optimizer_step
         self.check_finite = getattr(trainer.precision_plugin, "scaler", None) is not None
         for stale in [o for o in self.optimizers if all(o is not t for t in trainer.optimizers)]:
             self.detach_optimizer(stale)  # a previous fit's optimizer
@@ -208,7 +214,7 @@ def check_resumable(trainer: pl.Trainer, path: str | os.PathLike[str]) -> None:
             continue
         state = find_sparsity_state(checkpoint, callback.state_key, path)
         if state is None:  # an earlier version's layout: under checkpoint["callbacks"]
-            state = (checkpoint.get("callbacks") or {}).get(callback.state_key)
+            state = legacy.callbacks_layout_state(checkpoint, callback.state_key)
         if state is not None:
             # The algorithm's or Group's (their signatures differ, so the mixin declares none).
             callback.check_state_dict(state)  # type: ignore[attr-defined]
@@ -229,7 +235,7 @@ def find_sparsity_state(
     saved = checkpoint.get(STATE_KEY) or {}
     if key in saved:
         return saved[key]
-    callbacks = checkpoint.get("callbacks") or {}
+    callbacks = legacy.earlier_callback_states(checkpoint)
     if key in callbacks:
         return None
     others = sorted({*saved, *(k for k, v in callbacks.items() if _is_sparsity_state(v))})
@@ -286,8 +292,9 @@ def sparsity_hparams(
         "params": len(sparsity.sparse_params),
         "seed": sparsity.seed,
     }
-    if sparsity.drop_fraction is not None:
-        settings["drop_fraction"] = _schedule_value(sparsity.drop_fraction)
+    drop_fraction = getattr(sparsity, "drop_fraction", None)  # drop-and-grow algorithms
+    if drop_fraction is not None:
+        settings["drop_fraction"] = _schedule_value(drop_fraction)
     return {f"{prefix}/{key}": value for key, value in settings.items()}
 
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from lightning_sparse.core.legacy import mask_keys
 from lightning_sparse.core.safe_load import load_torch_file
-from lightning_sparse.core.state_dict import mask_keys
 from lightning_sparse.lightning.callback import check_accelerator
 
 __all__ = ["LoadWeights", "drop_mask_entries"]

@@ -40,6 +40,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
+from lightning_sparse.core import legacy
 from lightning_sparse.core.algorithms import SparsityAlgorithm, algorithms_of
 from lightning_sparse.core.report import sparsity_report
 from lightning_sparse.lightning.flop_meter import FlopMeter, attention_dims
@@ -243,10 +244,7 @@ class SparseRunSummary(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         flops = state_dict.get("flops")
         if flops is None:  # an earlier version's checkpoint: the totals only
-            flops = {
-                "counters": state_dict["counters"],
-                "last_dense_grad_step": state_dict.get("last_dense_grad_step", -1),
-            }
+            flops = legacy.summary_totals(state_dict)
         self.meter.load_state_dict(flops)
         self.val_curve = [list(p) for p in state_dict["val_curve"]]
         self.train_curve = [list(p) for p in state_dict["train_curve"]]

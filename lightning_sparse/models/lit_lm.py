@@ -198,8 +198,9 @@ class LitCausalLM(L.LightningModule):
             ],
             lr=hp.lr,
             betas=tuple(hp.betas),
-            # The fused kernel is ~3x faster on CPU, and unlike the foreach path it does not slow
-            # down on the exact zeros that pruned positions keep in exp_avg_sq (MKL's sqrt does).
+            # The fused kernel is faster on the CPU, and unlike the foreach path it does not slow
+            # down on the exact zeros that pruned positions keep in exp_avg_sq (MKL's sqrt does;
+            # benchmarks/README.md, "Figures behind the code").
             fused=all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") for p in decay),
         )
         max_steps = hp.max_steps or int(self.trainer.estimated_stepping_batches)

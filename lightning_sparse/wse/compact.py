@@ -282,7 +282,7 @@ def _merge_candidates(grad: Tensor, new_flat: Tensor, candidates: tuple[Tensor, 
 def grow_candidates(grad: Tensor, csr: CSRWeight, count: int) -> tuple[Tensor, Tensor]:
     """The ``count`` positions outside ``csr``'s mask with the largest ``|grad|``, ties to the
     lower index, and the gradient there: what a RigL/GraNet update reads of the dense gradient
-    outside the mask (`SparsityAlgorithm.grow_candidates`), kept in place of it.
+    outside the mask (`DropAndGrow.grow_candidates`), kept in place of it.
 
     Non-finite entries outside the mask count, and are kept, as 0: the cpu path's gradient hook
     zeroes them before the update. Any other position outside the mask ranks after all of

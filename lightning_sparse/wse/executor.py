@@ -491,7 +491,8 @@ def check_compact_training(model: nn.Module, optimizers: Sequence[torch.optim.Op
 
 
 register_masks = restore_masks
-"""Alias of `lightning_sparse.core.state_dict.restore_masks` (its older name here)."""
+"""Alias of `lightning_sparse.core.state_dict.restore_masks` (its older name here; `core.legacy`:
+removed in 0.3.0)."""
 
 
 def _owner(module: nn.Module) -> WSEExecutor | None:

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_sparse.core import held
-from lightning_sparse.core.algorithms import SparsityAlgorithm
+from lightning_sparse.core.algorithms import DropAndGrow, SparsityAlgorithm
 from lightning_sparse.wse import compact as compact_state
 from lightning_sparse.wse.autotune import resolve_path
 from lightning_sparse.wse.compact import CompactLayers, CompactState
@@ -268,8 +268,8 @@ class LayerState:
 
     def grow_count(self) -> int | None:
         """The most positions outside the mask this step's update can grow (the owners'
-        `grow_candidates`), or None when the whole dense gradient must be kept (an owner reads
-        more of it, or gradients are accumulated)."""
+        `DropAndGrow.grow_candidates`), or None when the whole dense gradient must be kept (an
+        owner reads more of it, or gradients are accumulated)."""
         if self.executor.accumulate_grad_batches != 1:
             return None
         counts = []
@@ -277,7 +277,8 @@ class LayerState:
             algorithm = ref()
             if algorithm is None or not algorithm.dense_grad_needed:
                 continue
-            count = algorithm.grow_candidates(name)
+            # Only a drop-and-grow rule says what it reads of the gradient (its grow count).
+            count = algorithm.grow_candidates(name) if isinstance(algorithm, DropAndGrow) else None
             if count is None:
                 return None
             counts.append(count)

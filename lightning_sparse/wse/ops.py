@@ -248,8 +248,8 @@ def _masked_copy(t: Tensor, mask: Tensor) -> Tensor:
     int_dtype = _INT_VIEW.get(t.dtype)
     if int_dtype is None or type(t) not in (Tensor, torch.nn.Parameter):
         return zero_pruned_(t.detach().clone(), mask)
-    # uint8, not bool: an out-of-place integer-times-bool product takes a slow promoting loop on
-    # the CPU (about 3x the time of this one, measured at 1024 x 1024).
+    # uint8, not bool: an out-of-place integer-times-bool product may take a promoting loop on
+    # the CPU (benchmarks/README.md, "Figures behind the code", for what it costs).
     return (t.detach().view(int_dtype) * mask.view(torch.uint8)).view(t.dtype)
 
 

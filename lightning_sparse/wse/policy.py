@@ -191,13 +191,13 @@ def decode_forces_dense(
     shape: tuple[int, int], nnz: int, element_size: int, tokens: int, requires_grad: bool
 ) -> bool:
     """Whether a weight served in CSR (`csr_linear.runs_in_csr`) is served dense instead: its
-    values plus column indices (16-bit up to 65536 columns) exceed
+    values plus column indices (16-bit where `narrow_columns`) exceed
     ``TUNED["decode_bytes_ratio"]`` of the dense weight's bytes. The device's "auto" applies it
     to few-token calls of layers too small to time beyond the cache (`decode_stream_copies`
     None); larger ones it times streamed."""
     if requires_grad or tokens > TUNED["few_tokens"].value:
         return False
-    index_bytes = 2 if shape[1] <= 65536 else 4  # the one-token kernel's column indices
+    index_bytes = 2 if narrow_columns(shape[1]) else 4  # the one-token kernel's columns
     sparse_bytes = nnz * (element_size + index_bytes)
     return sparse_bytes > TUNED["decode_bytes_ratio"].value * shape[0] * shape[1] * element_size
 

@@ -160,10 +160,11 @@ def test_set_drops_smallest_active_and_regrows_from_its_random_stream() -> None:
     assert grown == set(candidates[:2])
 
 
-def test_set_on_a_long_row_grows_sampled_positions_of_its_random_stream() -> None:
-    # 128 x 256 = 32768 weights: one long CPU row, where SET draws random positions instead
-    # of a score per weight (mask_ops.drop_and_grow_random).
-    from lightning_sparse.core.mask_ops import drop_and_grow, drop_and_grow_random
+def test_set_on_a_long_row_grows_the_top_of_its_uniform_scores() -> None:
+    # 128 x 256 = 32768 weights: one long CPU row (the sampled top-k), where SET's grow score is
+    # the same tensor as on any row: U(0, 1) from the (seed, step, name) stream, like RigL's
+    # |grad| (so SET and RigL differ by that one function).
+    from lightning_sparse.core.mask_ops import drop_and_grow
 
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(128, 256, generator=gen, dtype=torch.float64)
@@ -183,18 +184,10 @@ def test_set_on_a_long_row_grows_sampled_positions_of_its_random_stream() -> Non
     new = model.weight_mask
     assert int(new.sum()) == active  # the target count
     n_drop = active - int(0.7 * active)
-    kept = drop_and_grow(
-        w.abs().reshape(1, -1),
-        torch.zeros(1, w.numel()),
-        mask.reshape(1, -1),
-        n_drop,
-        active - n_drop,
-    ).reshape(w.shape)
-    assert torch.equal(new & kept, kept)  # the 70% largest |w| survive
     stream = generator_for(seed, step, "weight", torch.device("cpu"))
-    expected = drop_and_grow_random(
-        w.abs().reshape(1, -1), mask.reshape(1, -1), n_drop, active, stream
-    )
+    scores = torch.rand(w.shape, generator=stream)
+    flat = (w.abs().reshape(1, -1), scores.reshape(1, -1), mask.reshape(1, -1))
+    expected = drop_and_grow(*flat, n_drop, active)
     assert torch.equal(new, expected.reshape(w.shape))
 
 
@@ -413,7 +406,9 @@ def test_gmp_matches_reference(case: dict[str, Any]) -> None:
 class KeepFirst(DynamicSparsityAlgorithm):
     """Keep the first ``int((1 - s) * n)`` weights in flat order: a user algorithm, 4 lines."""
 
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
         keep = int((1 - sparsity) * p.numel())
         return (torch.arange(p.numel(), device=p.device) < keep).reshape(p.shape)
 
@@ -421,7 +416,7 @@ class KeepFirst(DynamicSparsityAlgorithm):
 class GrowLast(DropAndGrow):
     """A user drop-and-grow algorithm: one grow score (the last positions first), nothing else."""
 
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return torch.arange(p.numel(), dtype=p.dtype, device=p.device).reshape(p.shape)
 
 

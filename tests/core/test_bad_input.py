@@ -331,12 +331,12 @@ def test_optimizer_over_foreign_parameters_raises_and_registers_nothing(foreign_
 
 
 def test_calls_an_algorithm_cannot_answer_say_why() -> None:
-    """A drop fraction asked of an algorithm that replaces no weights, and a random mask drawn
-    before ``apply`` has resolved ``seed=None``: errors naming the rule, not a None deep inside."""
+    """A random mask drawn before ``apply`` has resolved ``seed=None``: an error naming the
+    rule, not a None deep inside. (A drop fraction is drop-and-grow's alone: an algorithm that
+    replaces no weights has none to ask for.)"""
     from lightning_sparse.core import RigL, Static
 
-    with pytest.raises(TypeError, match="Static has no drop_fraction"):
-        Static(0.8).drop_fraction_at(0)
+    assert not hasattr(Static(0.8), "drop_fraction") and hasattr(RigL(0.8), "drop_fraction_at")
     with pytest.raises(RuntimeError, match=r"no seed yet \(seed=None is resolved by apply"):
         RigL(0.8).initial_mask("w", torch.zeros(4, 4))
 

@@ -528,7 +528,9 @@ class MyGranet(DynamicSparsityAlgorithm):
         super().__init__(sparsity, **kwargs)
         self.boost = boost
 
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
         keep = int((1 - sparsity) * p.numel())
         return topk_mask(p.abs().flatten() * self.boost, keep).view_as(p)
 

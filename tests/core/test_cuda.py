@@ -206,8 +206,8 @@ def _set_run(device: str, seed: int) -> dict[str, torch.Tensor]:
     drawn_on: list[str] = []
     make_generator = sparsity.generator
 
-    def spy(p: torch.Tensor) -> torch.Generator:
-        generator = make_generator(p)
+    def spy(name: str, device: torch.device) -> torch.Generator:
+        generator = make_generator(name, device)
         drawn_on.append(generator.device.type)
         return generator
 
@@ -220,7 +220,7 @@ def _set_run(device: str, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_set_sampled_growth_is_deterministic_with_device_generators(device: str) -> None:
+def test_set_random_growth_is_deterministic_with_device_generators(device: str) -> None:
     first, second = _set_run(device, seed=11), _set_run(device, seed=11)
     assert_same(first, second, "same seed, two runs")
     other = _set_run(device, seed=12)

@@ -1,4 +1,4 @@
-"""`SparsityAlgorithm.grow_candidates`: what a mask update reads of the dense gradient outside
+"""`DropAndGrow.grow_candidates`: what a mask update reads of the dense gradient outside
 the mask. RigL and GraNet grow the same positions from a gradient that keeps, outside the mask,
 only the top ``grow_candidates`` positions by ``|grad|`` (ties to the lower index) and is zero
 elsewhere: what the device keeps in place of the dense gradient."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_sparse.core import SET, GraNet, RigL, SparsityAlgorithm, Static
+from lightning_sparse.core import SET, DropAndGrow, GraNet, RigL, SparsityAlgorithm, Static
 from lightning_sparse.core.shapers import OutputGroups
 
 
@@ -91,14 +91,16 @@ def test_a_smaller_count_would_change_the_masks() -> None:
 
 @pytest.mark.parametrize(
     "algorithm",
-    [
-        Static(0.8),
-        SET(0.8, update={"freq": 2}),
-        RigL(0.8, update={"freq": 2}, shaper=OutputGroups(2)),
-    ],
-    ids=["static", "set", "rigl-output-groups"],
+    [SET(0.8, update={"freq": 2}), RigL(0.8, update={"freq": 2}, shaper=OutputGroups(2))],
+    ids=["set", "rigl-output-groups"],
 )
-def test_rules_that_read_more_or_nothing_say_none(algorithm: SparsityAlgorithm) -> None:
+def test_rules_that_read_more_or_nothing_say_none(algorithm: DropAndGrow) -> None:
     layer = nn.Linear(40, 30)
     layer.apply(algorithm)
     assert algorithm.grow_candidates(next(iter(algorithm.sparse_params))) is None
+
+
+def test_only_drop_and_grow_names_grow_candidates() -> None:
+    """The grow count is drop-and-grow's: an algorithm that grows nothing has none (the device
+    then keeps the whole dense gradient of an update that reads one)."""
+    assert not hasattr(Static(0.8), "grow_candidates")

@@ -23,16 +23,7 @@ BERT = dict(
     intermediate_size=32,
     max_position_embeddings=32,
 )
-LLAMA = dict(
-    vocab_size=64,
-    hidden_size=16,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-    intermediate_size=32,
-    max_position_embeddings=32,
-    pad_token_id=0,
-)
+LLAMA = dict(BERT, num_key_value_heads=2, pad_token_id=0)
 
 
 def gpt2() -> nn.Module:

@@ -158,15 +158,12 @@ def test_drop_and_grow_nan_never_crosses_the_mask() -> None:
     assert torch.equal(out, torch.tensor([[True, True, True, False, False, False]]))
 
 
+# A seed, then the mask's density, the drop fraction and the target density, each in [0, 1].
+SEED_AND_FRACTIONS = (st.integers(0, 2**31 - 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1))
+
+
 @FAST
-@given(
-    st.integers(1, 4),
-    st.integers(1, 25),
-    st.integers(0, 2**31 - 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-)
+@given(st.integers(1, 4), st.integers(1, 25), *SEED_AND_FRACTIONS)
 def test_drop_and_grow_matches_reference(
     groups: int, n: int, seed: int, density: float, drop_frac: float, target: float
 ) -> None:
@@ -218,13 +215,7 @@ def test_host_path_topk_mask_matches_reference(case: tuple[torch.Tensor, list[in
 
 
 @FAST
-@given(
-    st.integers(1, 40),
-    st.integers(0, 2**31 - 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-    st.floats(0, 1),
-)
+@given(st.integers(1, 40), *SEED_AND_FRACTIONS)
 def test_host_path_drop_and_grow_matches_reference(
     n: int, seed: int, density: float, drop_frac: float, target: float
 ) -> None:
@@ -296,94 +287,17 @@ def test_host_path_topk_mask_dtypes(dtype: torch.dtype) -> None:
             assert torch.equal(topk_mask(score, k), expected), (dtype, k)
 
 
-# ------------------------------------------------------- random growth (SET) by sampled positions
-def _random_grow_case(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.rand(1, n, generator=gen) < 0.3
-    return torch.randn(1, n, generator=gen), mask, int(mask.sum())
-
-
-@contextlib.contextmanager
-def _draws(overdraw: float, extra: int):
-    saved = mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS
-    mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS = overdraw, extra
-    try:
-        yield
-    finally:
-        mask_ops._OVERDRAW, mask_ops._EXTRA_DRAWS = saved
-
-
-@pytest.mark.parametrize("rounds", ["one", "many"])
-def test_random_grow_keeps_the_drop_and_grows_exactly_among_the_rest(rounds: str) -> None:
-    n = 1 << 15  # above HOST_SELECT_MIN: the sampled route
-    drop, mask, active = _random_grow_case(n, 0)
-    n_drop = active - int(0.7 * active)
-    # The drop step alone: drop_and_grow with a growth target of the survivors only.
-    kept = drop_and_grow(drop, torch.zeros(1, n), mask, n_drop, active - n_drop)
-    # Tiny draws force the redraw loop; the result must still be exact.
-    with _draws(*((1.25, 64) if rounds == "one" else (0.05, 0))):
-        out = mask_ops.drop_and_grow_random(
-            drop, mask, n_drop, active, torch.Generator().manual_seed(5)
-        )
-        again = mask_ops.drop_and_grow_random(
-            drop, mask, n_drop, active, torch.Generator().manual_seed(5)
-        )
-    other = mask_ops.drop_and_grow_random(
-        drop, mask, n_drop, active, torch.Generator().manual_seed(6)
-    )
-    assert int(out.sum()) == active and torch.equal(out & kept, kept)
-    assert torch.equal(out, again)  # deterministic in the generator
-    assert not torch.equal(out, other)  # and random in it
-    if rounds == "many":  # the loop continues one stream: same draws, same result
-        assert torch.equal(
-            out,
-            mask_ops.drop_and_grow_random(
-                drop, mask, n_drop, active, torch.Generator().manual_seed(5)
-            ),
-        )
-
-
-def test_random_grow_is_uniform_over_the_free_positions() -> None:
-    # 40 positions, 10 kept, 5 grown among the 30 free: each free position with p = 1/6 and
-    # each pair of them with p = (5 * 4) / (30 * 29); kept ones always, nothing else.
-    n, trials = 40, 3000
-    mask = torch.zeros(1, n, dtype=torch.bool)
-    mask[0, :10] = True
-    drop = torch.ones(1, n)
-    counts = torch.zeros(n)
-    pair = 0
-    with host_select_min(1), _draws(0.3, 0):  # small draws: the redraw loop is exercised too
-        for seed in range(trials):
-            out = mask_ops.drop_and_grow_random(
-                drop, mask, 0, 15, torch.Generator().manual_seed(seed)
-            )
-            counts += out[0].float()
-            pair += bool(out[0, 10] and out[0, 39])
-    assert torch.all(counts[:10] == trials)
-    p = 5 / 30
-    sigma = math.sqrt(trials * p * (1 - p))
-    assert torch.all((counts[10:] - trials * p).abs() < 5 * sigma), counts[10:]
-    p2 = 20 / (30 * 29)
-    assert abs(pair - trials * p2) < 5 * math.sqrt(trials * p2 * (1 - p2)) + 1
-
-
-def test_random_grow_past_a_quarter_of_the_free_scores_every_position() -> None:
-    n = 1 << 15
-    drop, mask, active = _random_grow_case(n, 1)
-    n_drop = active  # drop all, regrow more than a quarter of the free positions
-    expected = drop_and_grow(
-        drop, torch.rand(1, n, generator=torch.Generator().manual_seed(3)), mask, n_drop, active
-    )
-    got = mask_ops.drop_and_grow_random(
-        drop, mask, n_drop, active, torch.Generator().manual_seed(3)
-    )
-    assert torch.equal(got, expected)
-    # Short rows (below HOST_SELECT_MIN) take the same full-score route.
-    short = mask[:, :100]
-    expected = drop_and_grow(
-        drop[:, :100], torch.rand(1, 100, generator=torch.Generator().manual_seed(4)), short, 3, 30
-    )
-    got = mask_ops.drop_and_grow_random(
-        drop[:, :100], short, 3, 30, torch.Generator().manual_seed(4)
-    )
-    assert torch.equal(got, expected)
+def test_the_sampled_selection_takes_one_row_only() -> None:
+    """`host_select` is for one CPU row: two long rows (of different scales, so a selection over
+    both at once would take every kept score from one) each keep exactly ``k``."""
+    n, k = mask_ops.HOST_SELECT_MIN, 100
+    g = torch.Generator().manual_seed(0)
+    one = torch.rand(1, n, generator=g)
+    two = torch.cat([torch.rand(1, n, generator=g), torch.rand(1, n, generator=g) + 10])
+    assert mask_ops.host_select(one) and not mask_ops.host_select(two)
+    assert mask_ops.row_counts(topk_mask(two, k)).tolist() == [k, k]
+    assert torch.equal(topk_mask(two, k), torch.cat([topk_mask(row, k) for row in two.split(1)]))
+    scores = torch.cat([torch.rand(1, n, generator=g), torch.rand(1, n, generator=g) * 0.1])
+    mask = torch.rand(2, n, generator=g) < 0.004  # about 65 kept per row, fewer than k
+    kept = mask_ops.row_counts(drop_and_grow(scores, scores, mask, 10, k))
+    assert kept.tolist() == [k, k]

@@ -48,3 +48,41 @@ def test_no_core_function_works_on_an_algorithm_as_self() -> None:
                 ):
                     found.append(f"{path.relative_to(CORE)}:{node.lineno} {node.name}({arg.arg})")
     assert not found, f"functions working on the algorithm as self: {found}"
+
+
+def test_the_base_knows_no_child_and_no_layer_above() -> None:
+    """The drop-and-grow rule's names are `DropAndGrow`'s, not the base's; the Lightning layer and
+    the device reach the base through what they set (``step_driver``) and what it asks of them
+    (`held`): ``base.py`` names neither layer in its code (docstrings aside)."""
+    for name in ("drop_fraction", "drop_fraction_at", "grow_candidates", "lightning_driven"):
+        assert not hasattr(SparsityAlgorithm, name), name
+    tree = ast.parse((CORE / "algorithms" / "base.py").read_text())
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    names |= {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    names |= {a.arg for n in ast.walk(tree) if isinstance(n, ast.arguments) for a in n.args}
+    above = sorted(n for n in names if "lightning" in n.lower() or "wse" in n.lower())
+    assert not above, f"base.py names the layers above: {above}"
+
+
+def test_a_step_driver_calls_before_step_itself() -> None:
+    """With ``step_driver`` set (by a training loop above the core), the optimizer's step
+    pre-hook leaves `before_step` to the loop: an update due at the step waits for its call."""
+    import torch
+    from torch import nn
+
+    from lightning_sparse.core import SET
+
+    model = nn.Linear(8, 8)
+    sparsity = SET(0.5, update={"freq": 1}, seed=0)
+    sparsity.apply(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sparsity.apply(optimizer)
+    sparsity.step_driver = "a loop"
+    for _ in range(2):
+        model(torch.ones(2, 8)).sum().backward()
+        optimizer.step()
+    assert sparsity.step == 2 and sparsity.last_update_step == -1  # nobody called before_step
+    model(torch.ones(2, 8)).sum().backward()
+    sparsity.before_step(optimizer)  # the loop's call
+    optimizer.step()
+    assert sparsity.last_update_step == 2

@@ -1,6 +1,6 @@
 """`SparsityAlgorithm`: the one base of every algorithm; it owns masks, ``step`` and the rule.
 
-An algorithm is one method, ``update_mask(p, mask, sparsity) -> mask``, over this base: a
+An algorithm is one method, ``update_mask(name, p, mask, sparsity) -> mask``, over this base: a
 sparsity schedule, an update cadence (Cerebras: ``{"freq", "start", "stop"}``, stop exclusive;
 ``{"steps": [...]}``; a callable; ``None`` = every step; training starts sparse when step 0 is an
 update step), the initial mask, the layer distribution and the structure (shaper). ``step``
@@ -20,7 +20,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import logging
-import sys
 import warnings
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -31,40 +30,32 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, ddp_ignore, held, report, validate
-from ..apply_checks import check_candidates, check_mask, check_optimizer, check_shaper
-from ..bitpack import pack_bits
+from .. import applied, apply_model, ddp_ignore, held, legacy, report, saved_state, validate
+from ..apply_checks import check_candidates, check_optimizer, check_shaper
+from ..cadences import make_update_schedule
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
 from ..init_methods import make_init_method
+from ..install import install
 from ..layouts import as_out_in, is_in_out
-from ..mask_batches import by_key, update_figures
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
 from ..per_step import StepHooks
 from ..rng import generator_for, resolve_seed
-from ..saved_state import Expected, check_state, saved_ever_active, saved_masks, saved_targets
 from ..scaler_steps import SkippedSteps, found_inf
-from ..schedules import (
-    HyperParameterSchedule,
-    ScheduleSpec,
-    UpdateSpec,
-    bind,
-    evaluate,
-    first_undefined_use,
-    make_update_schedule,
-    steps_to_check,
-)
+from ..schedules import ScheduleSpec, UpdateSpec, bind, check_schedule, evaluate
 from ..selection import Candidate, select
 from ..shapers import Shaper, Unstructured
-from ..sharding import full, is_sharded, local, shard_like
+from ..sharding import full, is_sharded, shard_like
 from ..sparse_parameter import SparseParameter
 from .registry import register_algorithm
 
-__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm", "model_apply_visits_child"]
+__all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
 
 log = logging.getLogger("lightning_sparse")
 _counter = itertools.count()
+# The rule's signature: (name, p, mask, sparsity) -> new mask (`SparsityAlgorithm.update_mask`).
+Rule = Callable[[str, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 class SparsityAlgorithm(ABC):
@@ -92,6 +83,10 @@ class SparsityAlgorithm(ABC):
 
     def __init_subclass__(cls, register: bool = True, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        for method in ("update_mask", "grow_score"):  # written before the rule took the name
+            adapted = legacy.named_rule(cls, method)
+            if adapted is not None:
+                setattr(cls, method, adapted)
         if register and not inspect.isabstract(cls):
             register_algorithm(cls)
 
@@ -120,7 +115,10 @@ class SparsityAlgorithm(ABC):
         self._skips = SkippedSteps()  # fused steps under a GradScaler, maybe skipped
         self.step = 0
         self.autoupdate = True  # optimizer steps update the masks (False: call update() yourself)
-        self.lightning_driven = False  # set by the Lightning layer: it calls before_step itself
+        # The name of the training loop that calls `before_step` itself, after the last
+        # backward: set by a layer above (the Lightning callback: "lightning.Trainer"; the
+        # transformers Trainer callback); None: the optimizer's step pre-hook calls it.
+        self.step_driver: str | None = None
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
         self.root: nn.Module | None = None
         self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
@@ -132,19 +130,33 @@ class SparsityAlgorithm(ABC):
         # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `check_candidates`. The
         # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
         self.in_out_params: set[str] = set()
-        self._current = ""  # the parameter update_mask works on (name_of)
-        self.drop_fraction: HyperParameterSchedule | None = None  # drop-and-grow algorithms
         self.observers = Observers()
         self.hooks = StepHooks(
-            self.sparse_params, lambda: self.dense_grad_needed, self.initial_mask
+            self.sparse_params,
+            lambda: self.dense_grad_needed,
+            self.initial_mask,
+            legacy.take_mask_entries,  # an earlier version's model state dicts
         )
         self.hooks.on_mask_dropped.append(self._follow_mask)
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
     @abstractmethod
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """New bool mask for ``p`` (any shape, ``.grad`` set), current ``mask``, at ``sparsity``."""
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
+        """The rule: the new bool mask of the parameter ``name``.
+
+        Args:
+            name: the parameter's full name (for its random stream, `generator`, and messages).
+            p: its values, whole and ``[out, in]`` (a shard gathered, a parameter stored
+                ``[in, out]`` transposed), ``.grad`` set when the update reads a gradient.
+            mask: its current mask, the same view.
+            sparsity: its target sparsity after the update (the schedule, spread per layer).
+
+        Returns:
+            A bool mask of ``p``'s shape.
+        """
 
     def milestones(self) -> tuple[int, ...]:
         """Steps that are update steps whatever the cadence (none by default)."""
@@ -188,16 +200,6 @@ class SparsityAlgorithm(ABC):
         """True while backward must keep the gradient dense for this step's update."""
         return self.needs_dense_grad and self._update_may_be_due()
 
-    def grow_candidates(self, name: str) -> int | None:
-        """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
-        this step's update can grow at most, if it reads the dense gradient there only through
-        their rank by ``|grad|`` (ties to the lower index); None when it reads more of it.
-
-        A device that does not hold the dense gradient (`wse`, compact layers) then keeps only
-        the gradient at the kept positions and at these top candidates. Default: None.
-        """
-        return None
-
     def target_sparsity(self, name: str, step: int) -> float:
         """Sparsity of ``name`` at ``step``: the schedule, checked, spread by ``distribution``."""
         value = evaluate(self.sparsity, step, "sparsity")
@@ -207,17 +209,6 @@ class SparsityAlgorithm(ABC):
     def initial_target(self, name: str) -> float:
         """Sparsity of the mask ``initial_mask`` builds (0 when training starts dense)."""
         return self.target_sparsity(name, 0) if self.starts_sparse else 0.0
-
-    def drop_fraction_at(self, step: int) -> float:
-        """The drop fraction at ``step``, checked to be in [0, 1] (drop-and-grow algorithms)."""
-        schedule = self.drop_fraction
-        if schedule is None:
-            raise TypeError(
-                f"{type(self).__name__} has no drop_fraction: only drop-and-grow algorithms "
-                "(SET, RigL, GraNet) replace weights"
-            )
-        value = evaluate(schedule, step, "drop_fraction")
-        return validate.drop_fraction(value, step=step, schedule=schedule)
 
     def horizon(self) -> int:
         """The last step known without the run's length: the cadence's or the ramp's end (the
@@ -230,25 +221,15 @@ class SparsityAlgorithm(ABC):
         that no schedule overflows at any later update step (an ``Exp`` with gamma > 0): run when
         built, by the Lightning layer up to ``max_steps``, and on every value when used."""
         extra = (0, *self.milestones())
-        for step in steps_to_check(self.update_schedule, horizon, extra):
-            value = evaluate(self.sparsity, step, "sparsity")
-            validate.sparsity(value, step=step, schedule=self.sparsity)
-            if self.drop_fraction is not None:
-                self.drop_fraction_at(step)
-        for what, schedule in (("sparsity", self.sparsity), ("drop_fraction", self.drop_fraction)):
-            undefined = (
-                None
-                if schedule is None
-                else first_undefined_use(schedule, self.update_schedule, extra)
-            )
-            if schedule is not None and undefined is not None:
-                evaluate(schedule, undefined, what)  # raises naming the step (the overflow)
+        check_schedule(
+            self.sparsity, "sparsity", self.update_schedule, horizon, extra, validate.sparsity
+        )
 
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
         """``model.apply(sparsity)``: torch calls this on every submodule, the model last; only
         the model's call acts (`model_apply_visits_child`), so filters see full names."""
-        if not model_apply_visits_child():
+        if not apply_model.model_apply_visits_child():
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
@@ -276,15 +257,7 @@ class SparsityAlgorithm(ABC):
                 "model.named_parameters()",
                 stacklevel=4,
             )
-        before = self.settings()
-        try:
-            self.check_candidates(chosen)
-            self.seed = resolve_seed(self.seed)
-            sps = self.attach(root, chosen, self.initial_masks(chosen))
-        except BaseException:
-            self.restore_settings(before)
-            raise
-        self.commit(root, sps)
+        apply_model.transaction(root, [self], [chosen])
 
     # The phases of `apply(model)`, also run by `Group` across its members: nothing changes the
     # model before `attach`, and `attach` is undone (`detach`) until `commit` prunes.
@@ -317,16 +290,11 @@ class SparsityAlgorithm(ABC):
             owned=applied.owned_masks(),
         )
         self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
-        self.check_range(self.horizon())
-        if orphans:
-            log.info(
-                "%s: %d parameter(s) carry masks no algorithm owns (first: %s; restored from "
-                "a checkpoint or copied): replaced by this algorithm's initial masks (%s)",
-                self.name,
-                len(orphans),
-                orphans[0],
-                getattr(self.init_method, "__name__", self.init_method),
-            )
+        apply_model.log_orphans(self.name, orphans, self.init_method)
+
+    def resolve_seed(self) -> None:
+        """``seed=None`` becomes the experiment's torch seed (rank 0's under torch.distributed)."""
+        self.seed = resolve_seed(self.seed)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
@@ -334,14 +302,10 @@ class SparsityAlgorithm(ABC):
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
         generator = generator_for(self._applied_seed(), 0, name, param.device)
-        dense = full(param.detach())
-        in_out = name in self.in_out_params  # GPT-2 Conv1D: shapers see [out, in]
-        view = dense.t() if in_out else dense
-        mask = self.init_method(
-            view, self.initial_target(name), generator=generator, shaper=self.shaper
+        target, in_out = self.initial_target(name), name in self.in_out_params
+        return apply_model.initial_mask(
+            name, param, self.init_method, target, generator, self.shaper, in_out
         )
-        mask = check_mask(mask, view, name, self.init_method)
-        return shard_like(mask.t().contiguous() if in_out else mask, param)
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -352,42 +316,18 @@ class SparsityAlgorithm(ABC):
     ) -> list[SparseParameter]:
         """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
         raise. Reversible (`detach`) until `commit` prunes."""
-        sps = [SparseParameter(module, name, attr) for name, module, attr, _ in chosen]
-        # Masks no algorithm owns, and whether each was in the module's state_dict (persistent).
-        replaced = {
-            sp.name: (sp.mask, sp.mask_name not in sp.module._non_persistent_buffers_set)
-            for sp in sps
-            if sp.has_mask
-        }
-        try:
-            for sp, mask in zip(sps, masks, strict=True):
-                sp.register_mask(mask)
-            self.hooks.install(root, sps)
-        except BaseException:
-            self.detach(sps)
-            for sp in sps:
-                if sp.name in replaced:
-                    mask, persistent = replaced[sp.name]
-                    sp.module.register_buffer(sp.mask_name, mask, persistent=persistent)
-            raise
-        return sps
+        return apply_model.attach(root, chosen, masks, self.hooks)
 
     def detach(self, sps: list[SparseParameter]) -> None:
         """Undo `attach`."""
-        self.hooks.remove()
-        for sp in sps:
-            sp.remove_mask()
+        apply_model.detach(sps, self.hooks)
 
     def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
         """Prune the attached parameters: from here this algorithm owns them. Their masks leave
         DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
         self.root = root
         self.sparse_params.update((sp.name, sp) for sp in sps)
-        with torch.no_grad():
-            for sp in sps:
-                sp.prune_()
-                if self.track_itop:
-                    sp.register_ever_active(sp.mask.clone())
+        apply_model.commit_masks(sps, self.track_itop)
         self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
         if sps:
             applied.record(root, self)
@@ -416,8 +356,9 @@ class SparsityAlgorithm(ABC):
     # ------------------------------------------------------------------ the step
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         """After the last backward, before ``optimizer.step()``: follow replaced tensors, update
-        the masks on update steps (if ``autoupdate``), prune (`per_step`). Lightning calls it
-        from ``on_before_optimizer_step``, plain PyTorch from the optimizer's step pre-hook."""
+        the masks on update steps (if ``autoupdate``), prune (`per_step`). Plain PyTorch calls it
+        from the optimizer's step pre-hook; a training loop that set itself as `step_driver`
+        calls it itself (Lightning from ``on_before_optimizer_step``)."""
         self.hooks.start_step()
         if self.autoupdate:
             self.update(optimizer)
@@ -426,7 +367,7 @@ class SparsityAlgorithm(ABC):
             self.hooks.hold_denominators(optimizer)
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self.lightning_driven:  # Lightning calls before_step itself, after backward
+        if self.step_driver is None:  # else the loop above calls before_step itself
             self.before_step(optimizer)
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -477,16 +418,17 @@ class SparsityAlgorithm(ABC):
                 masks[name] = self.mask_of(name, targets[name])
         return masks
 
-    def mask_of(self, name: str, target: float) -> torch.Tensor:
-        """``name``'s new mask by ``update_mask`` at sparsity ``target``."""
+    def mask_of(self, name: str, target: float, rule: Rule | None = None) -> torch.Tensor:
+        """``name``'s new mask at sparsity ``target`` by ``rule`` (default: `update_mask`),
+        which sees the parameter and its mask as `update_mask` does (`rule_view`)."""
         param = self.sparse_params[name].param
         p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
         if is_sharded(param):
             p = full(param.detach())
             p.grad = full(param.grad) if param.grad is not None else None
-        self._current = name
         flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
-        new = self.update_mask(as_out_in(p) if flip else p, self.rule_view(name), target)
+        rule = self.update_mask if rule is None else rule
+        new = rule(name, as_out_in(p) if flip else p, self.rule_view(name), target)
         return shard_like(new.t().contiguous() if flip else new, param)
 
     def rule_view(self, name: str) -> torch.Tensor:
@@ -496,77 +438,21 @@ class SparsityAlgorithm(ABC):
         return mask.t() if name in self.in_out_params else mask
 
     def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
-        """Copy ``masks`` into the mask buffers, prune the weights, record ``dropped`` /
-        ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host sync) and tell
-        the observers; gradients and optimizer state are pruned again before the step."""
-        stats: dict[str, dict[str, torch.Tensor]] = {}
-        with torch.no_grad():
-            keys = {n: self._stack_key(n, m) for n, m in masks.items()}
-            for names in by_key(keys):
-                if keys[names[0]] == (names[0],):
-                    self._install_one(names[0], masks[names[0]], stats)
-                else:
-                    self._install_stacked(names, masks, stats)
-            self.hooks.prune([self.sparse_params[n] for n in masks])  # one pass
+        """Copy ``masks`` into the mask buffers and prune the weights (`install`), record
+        ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host
+        sync) and tell the observers; gradients and optimizer state are pruned again before the
+        step."""
+        stats = install(self.sparse_params, masks, self.hooks)
         self.last_update, self.unlogged_update = stats, True
         self.mask_targets.update({n: targets[n] for n in masks})
         self.hooks.changed()
         self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
         self.observers.emit_update(self, self.step, stats)
 
-    def _stack_key(self, name: str, mask: torch.Tensor) -> tuple[Any, ...]:
-        """Masks installed together share this key: shape, device, ITOP; a sharded one alone."""
-        sp = self.sparse_params[name]
-        if is_sharded(sp.mask) or is_sharded(mask):
-            return (name,)
-        return (tuple(mask.shape), mask.device, sp.ever_active is not None)
-
-    def _install_one(self, name: str, mask: torch.Tensor, stats: dict[str, dict]) -> None:
-        """Install the new ``mask`` of ``name`` alone (a sharded one)."""
-        sp = self.sparse_params[name]
-        old = sp.mask
-        stats[name] = {
-            "dropped": full((old & ~mask).count_nonzero()),
-            "grown": full((mask & ~old).count_nonzero()),
-        }
-        old.copy_(mask)
-        ever = sp.ever_active
-        if ever is not None:
-            ever |= mask
-            stats[name]["itop"] = full(ever.count_nonzero()) / mask.numel()
-        stats[name]["sparsity"] = 1.0 - sp.nnz / mask.numel()
-
-    def _install_stacked(
-        self, names: list[str], masks: dict[str, torch.Tensor], stats: dict[str, dict]
-    ) -> None:
-        """Install the new ``masks`` of ``names`` (one `_stack_key`): their figures over the
-        stacked masks (`mask_batches.update_figures`) and one fused copy."""
-        sps = [self.sparse_params[n] for n in names]
-        new = [masks[n] for n in names]
-        evers = [sp.ever_active for sp in sps]
-        tracked = [e for e in evers if e is not None]
-        figures = update_figures(
-            torch.stack([full(sp.mask) for sp in sps]),
-            torch.stack([full(m) for m in new]),
-            tracked if tracked else None,
-        )
-        torch._foreach_copy_([sp.mask for sp in sps], new)
-        numel = new[0].numel()
-        sparsity = 1.0 - figures.kept / numel
-        itop = figures.ever / numel if figures.ever is not None else None
-        for i, name in enumerate(names):
-            stats[name] = {"dropped": figures.dropped[i], "grown": figures.grown[i]}
-            if itop is not None:
-                stats[name]["itop"] = itop[i]
-            stats[name]["sparsity"] = sparsity[i]
-
-    def name_of(self, p: torch.Tensor) -> str:
-        """Full name of the parameter ``update_mask`` is working on."""
-        return self._current
-
-    def generator(self, p: torch.Tensor) -> torch.Generator:
-        """Random stream for ``p`` at this step: the same on every rank and after a resume."""
-        return generator_for(self._applied_seed(), self.step, self.name_of(p), p.device)
+    def generator(self, name: str, device: torch.device) -> torch.Generator:
+        """The random stream of the parameter ``name`` at this step, on ``device``: the same on
+        every rank and after a resume (`rng.generator_for`)."""
+        return generator_for(self._applied_seed(), self.step, name, device)
 
     def _applied_seed(self) -> int:
         """The seed ``apply`` resolved (``seed=None``: the experiment's)."""
@@ -621,13 +507,11 @@ class SparsityAlgorithm(ABC):
     # ------------------------------------------------------------------ checkpoints
     def config(self) -> dict[str, str]:
         """What a checkpoint must agree on to be resumed (reprs stable across processes)."""
-        drop = self.drop_fraction
         return {
             "sparsity": repr(self.sparsity),
             "update": repr(self.update_schedule),
             "shaper": repr(self.shaper),
             "distribution": self.layers.name,
-            **({"drop_fraction": repr(drop)} if drop is not None else {}),
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -635,25 +519,21 @@ class SparsityAlgorithm(ABC):
         (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
         ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
         are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
-        params = self.sparse_params
-        state: dict[str, Any] = {
-            "step": self.step,
-            "last_update_step": self.last_update_step,
-            "seed": self.seed,
-            "algorithm": type(self).__name__.lower(),
-            "params": {name: list(sp.mask.shape) for name, sp in params.items()},
-            "config": self.config(),
-            "masks": {name: pack_bits(full(sp.mask)).cpu() for name, sp in params.items()},
-            "removed": self.removed,
-        }
-        if ever := self.ever_active:  # packed like the masks: on the CPU, 1 bit per weight
-            state["ever_active"] = {n: pack_bits(full(m)).cpu() for n, m in ever.items()}
-        return state
+        return saved_state.pack_state(
+            step=self.step,
+            last_update_step=self.last_update_step,
+            seed=self.seed,
+            kind=type(self).__name__.lower(),
+            masks={name: sp.mask for name, sp in self.sparse_params.items()},
+            config=self.config(),
+            removed=self.removed,
+            ever_active=self.ever_active,
+        )
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
         """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
         works before ``apply`` (masks are then checked against the shapes the state records)."""
-        expected = Expected(
+        expected = saved_state.Expected(
             owner=self.name,
             kind=type(self).__name__.lower(),
             shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
@@ -663,7 +543,7 @@ class SparsityAlgorithm(ABC):
             ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
             applied=self.root is not None,
         )
-        check_state(state, expected, self.target_sparsity, loading=loading)
+        saved_state.check_state(state, expected, self.target_sparsity, loading=loading)
 
     def load_state_dict(self, state: Any) -> None:
         """Check ``state`` completely (another algorithm, other parameters, shapes or
@@ -673,28 +553,17 @@ class SparsityAlgorithm(ABC):
         the values a model load just zeroed that these masks keep, then prune; gradients and
         optimizer state are pruned before the next step."""
         self.check_state_dict(state, loading=True)
-        targets = saved_targets(state, list(self.sparse_params), self.target_sparsity, self.name)
-        masks = saved_masks(state, self.name)
+        targets = saved_state.saved_targets(
+            state, list(self.sparse_params), self.target_sparsity, self.name
+        )
+        masks = saved_state.saved_masks(state, self.name)
         removed = bool(state.get("removed"))
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
         self.seed = state.get("seed", self.seed)
-        ever = self.ever_active
-        for name, mask in saved_ever_active(state).items():
-            if name in ever:
-                ever[name].copy_(shard_like(mask.to(ever[name].device), ever[name]))
+        saved_state.restore_ever_active_(self.ever_active, saved_state.saved_ever_active(state))
         unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
-        with torch.no_grad():
-            for name, sp in self.sparse_params.items():
-                if name not in masks and not removed:
-                    continue  # an earlier version's state: the masks came with the model
-                if name in unpruned:
-                    unpruned[name].put_back_(sp.param, local(sp.param))
-                if removed:
-                    sp.mask.fill_(True)
-                else:
-                    sp.mask.copy_(shard_like(masks[name].to(sp.mask.device), sp.mask))
-                sp.prune_()
+        saved_state.restore_masks_(self.sparse_params, masks, removed, unpruned)
         self.mask_targets.update(targets)
         self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
         self.hooks.changed()
@@ -714,23 +583,5 @@ class SparsityAlgorithm(ABC):
 
 
 DynamicSparsityAlgorithm = SparsityAlgorithm
-"""The name earlier versions gave the base of dynamic algorithms; one base serves all now."""
-
-
-def model_apply_visits_child() -> bool:
-    """Whether the caller (an algorithm's ``__call__``) runs inside ``model.apply`` for a module
-    below the one ``model.apply`` was called on.
-
-    ``model.apply(fn)`` calls ``fn`` on every submodule, children first and the model last, and
-    gives ``fn`` no other sign of which call is the model's. No rule over the calls seen so far can
-    tell: after the calls for ``Sequential(Linear)``'s walk, the walk of
-    ``Sequential(Sequential(Linear))`` has made the same calls and one is still to come, and
-    acting early would prune under names (``"0.weight"`` for ``"0.0.weight"``) whose masks differ,
-    which only a copy of the weights could undo. The interpreter's stack does tell: the call is a
-    child's when ``Module.apply`` called it from inside another ``Module.apply``.
-    """
-    caller = sys._getframe(2)  # 0: here, 1: __call__, 2: who called __call__
-    if caller.f_code is not nn.Module.apply.__code__:
-        return False  # called directly: sparsity(model)
-    outer = caller.f_back
-    return outer is not None and outer.f_code is nn.Module.apply.__code__
+"""The name earlier versions gave the base of dynamic algorithms; one base serves all now (an
+alias, `legacy`: removed in 0.3.0)."""

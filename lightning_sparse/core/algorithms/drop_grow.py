@@ -2,28 +2,32 @@
 
 At each update the smallest-|w| ``drop_fraction`` of the active weights is dropped and as many
 are grown back where ``grow_score`` is highest (Mocanu et al. 2018; Evci et al. 2020). An
-algorithm is its grow score (`set.py`: random; `rigl.py`: |dense gradient|) plus, for GraNet
-(`granet.py`), ``prune_to_target``: its schedule rises, so the surplus above the new target is
-dropped first. The counts, per row of the shaper's ``[groups, n]`` view, are
-`shaped_drop_and_grow`'s.
+algorithm is its grow score, a tensor of the weight's shape (`set.py`: uniform random;
+`rigl.py`: |dense gradient|) plus, for GraNet (`granet.py`), ``prune_to_target``: its schedule
+rises, so the surplus above the new target is dropped first. The counts, per row of the
+shaper's ``[groups, n]`` view, are `drop_count`'s: the one rule of how many weights an update
+drops, used by the per-weight path (`shaped_drop_and_grow`), the stacked path
+(`DropAndGrow.compute_masks`) and the grow count a device asks for (`grow_candidates`).
 """
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
-from .. import held, validate
-from ..mask_batches import by_key, drop_count
-from ..mask_ops import _host_select, drop_and_grow, drop_and_grow_random, row_counts
-from ..schedules import ScheduleSpec, bind
+from .. import held, schedules, validate
+from ..cadences import make_update_schedule
+from ..install import by_key
+from ..mask_ops import drop_and_grow, host_select, row_counts
+from ..schedules import ScheduleSpec, UpdateSpec
 from ..shapers import Shaper, Unstructured
 from ..sharding import is_sharded
 from .base import SparsityAlgorithm
 
-__all__ = ["DropAndGrow", "dense_grad_score", "shaped_drop_and_grow"]
+__all__ = ["DropAndGrow", "dense_grad_score", "drop_count", "shaped_drop_and_grow"]
 
 
 class DropAndGrow(SparsityAlgorithm):
@@ -33,32 +37,61 @@ class DropAndGrow(SparsityAlgorithm):
         sparsity: target sparsity or schedule (see ``SparsityAlgorithm``).
         drop_fraction: share of active weights replaced per update, in [0, 1]; a float or a
             schedule (e.g. ``{"type": "cosine", "init": 0.3, "half_period": 3584}``).
-        **kwargs: see ``SparsityAlgorithm`` (``update``, ``init_method``, ``shaper``, ...).
+        update: when masks change (see ``SparsityAlgorithm``).
+        **kwargs: see ``SparsityAlgorithm`` (``init_method``, ``shaper``, ...).
     """
 
     prune_to_target: ClassVar[bool] = False  # GraNet: drop the surplus above the target first
     grows_by_grad_magnitude: ClassVar[bool] = False  # RigL, GraNet: grow_score is |dense grad|
 
     def __init__(
-        self, sparsity: ScheduleSpec, drop_fraction: ScheduleSpec = 0.3, **kwargs: Any
+        self,
+        sparsity: ScheduleSpec,
+        drop_fraction: ScheduleSpec = 0.3,
+        update: UpdateSpec = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(sparsity, **kwargs)
-        self.drop_fraction = bind(
-            drop_fraction, self.update_schedule, False, check=validate.drop_fraction
+        cadence = make_update_schedule(update)
+        # Bound before the base checks the range (once, when built), the drop fraction with it.
+        self.drop_fraction: schedules.HyperParameterSchedule = schedules.bind(
+            drop_fraction, cadence, False, check=validate.drop_fraction
         )
-        self.check_range(self.horizon())
-        self._count_ranges: dict[str, tuple[int, int]] = {}  # read once per update
+        super().__init__(sparsity, cadence, **kwargs)
 
     @abstractmethod
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor | torch.Generator:
-        """Where to grow in ``p``: a score of its shape (higher grows first) or a generator
-        (uniformly at random)."""
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """Where to grow in the parameter ``name``: a score of ``p``'s shape, higher grows first
+        (``p`` as `update_mask` sees it)."""
+
+    def drop_fraction_at(self, step: int) -> float:
+        """The drop fraction at ``step``, checked to be in [0, 1]."""
+        value = schedules.evaluate(self.drop_fraction, step, "drop_fraction")
+        return validate.drop_fraction(value, step=step, schedule=self.drop_fraction)
+
+    def check_range(self, horizon: int) -> None:
+        """The base's checks, and the drop fraction's: in [0, 1] at every update step in
+        ``[0, horizon]``, finite at every later one."""
+        super().check_range(horizon)
+        extra = (0, *self.milestones())
+        schedules.check_schedule(
+            self.drop_fraction,
+            "drop_fraction",
+            self.update_schedule,
+            horizon,
+            extra,
+            validate.drop_fraction,
+        )
+
+    def config(self) -> dict[str, str]:
+        """The base's, and the drop fraction's repr."""
+        return {**super().config(), "drop_fraction": repr(self.drop_fraction)}
 
     def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
         """The masks of same-shape weights at one target computed together, over their stack
-        (`mask_batches`: a few kernels per shape, not per weight; each weight gets the mask it
-        gets alone), the others one by one (`mask_of`). Every mask's fewest and most kept per
-        row are read to the host in one transfer first: one host sync per update."""
+        (a few kernels per shape, not per weight: top-k and drop-and-grow work row by row, so each
+        weight gets the mask it gets alone), the others one by one (`mask_of`). Every mask's
+        fewest and most kept per row are read to the host in one transfer first: one host sync
+        per update."""
         names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
         groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
         stacks = [torch.stack([self.shaper.shape(self.rule_view(n)) for n in g]) for g in groups]
@@ -66,14 +99,14 @@ class DropAndGrow(SparsityAlgorithm):
         for group, stack, (lows, highs) in zip(
             groups, stacks, _row_count_ranges(stacks), strict=True
         ):
-            if len(group) > 1 and len({*lows, *highs}) == 1 and not _host_select(stack[0]):
+            # Stacked only where every row keeps one count (top-k then takes an int k per stack)
+            # and a row is not one long CPU row (its sampled selection is faster per weight).
+            if len(group) > 1 and len({*lows, *highs}) == 1 and not host_select(stack[0]):
                 masks.update(self._stacked_masks(group, stack, targets[group[0]], lows[0]))
                 continue
-            self._count_ranges = dict(zip(group, zip(lows, highs, strict=True), strict=True))
-            try:
-                masks.update({n: self.mask_of(n, targets[n]) for n in group})
-            finally:
-                self._count_ranges = {}
+            for name, low, high in zip(group, lows, highs, strict=True):
+                rule = functools.partial(self.update_mask, count_range=(low, high))
+                masks[name] = self.mask_of(name, targets[name], rule)
         return masks
 
     def _batch_key(self, name: str, target: float) -> tuple[Any, ...]:
@@ -94,13 +127,9 @@ class DropAndGrow(SparsityAlgorithm):
         drop = self.drop_fraction_at(self.step)
         n_drop = drop_count(active, n_total, drop, self.prune_to_target)
         magnitude = torch.stack([p.detach() for p in params]).abs_()
-        scores = []
-        for name, p in zip(names, params, strict=True):
-            self._current = name
-            score = self.grow_score(p)
-            if isinstance(score, torch.Generator):  # SET: the per-weight path's random score
-                score = torch.rand(p.shape, generator=score, device=p.device)
-            scores.append(self.shaper.shape(score))
+        scores = [
+            self.shaper.shape(self.grow_score(n, p)) for n, p in zip(names, params, strict=True)
+        ]
         drop_score = torch.stack([self.shaper.shape(m) for m in magnitude.unbind(0)])
         new = drop_and_grow(drop_score, torch.stack(scores), masks, n_drop, n_total)
         return {
@@ -109,32 +138,40 @@ class DropAndGrow(SparsityAlgorithm):
         }
 
     def grow_candidates(self, name: str) -> int | None:
-        """The grow count of this step's update of ``name`` (`shaped_drop_and_grow`'s counts,
-        capped at the positions outside the mask), for a ``|grad|`` grow score over one row
-        (the `Unstructured` shaper); None otherwise (see `SparsityAlgorithm.grow_candidates`).
-        One host sync (the mask's count)."""
+        """While `dense_grad_needed`: how many positions of ``name`` outside its current mask
+        this step's update can grow at most, if it reads the dense gradient there only through
+        their rank by ``|grad|`` (ties to the lower index); None when it reads more of it.
+
+        The grow count of `drop_count`, capped at the positions outside the mask, for a
+        ``|grad|`` grow score over one row (the `Unstructured` shaper); None otherwise. A weight
+        whose gradient is held elsewhere (`held`: the device's compact layers) then keeps only
+        the gradient at the kept positions and at these top candidates. One host sync (the
+        mask's count).
+        """
         sp = self.sparse_params[name]
         if not self.grows_by_grad_magnitude or not isinstance(self.shaper, Unstructured):
             return None
         n = sp.mask.numel()
         active = int(sp.nnz)
         n_total = self.shaper.keep_per_row(self.target_sparsity(name, self.step), n)
-        keep_share = 1.0 - min(max(self.drop_fraction_at(self.step), 0.0), 1.0)
-        base = min(active, n_total) if self.prune_to_target else active
-        return min(max(n_total - int(keep_share * base), 0), n - active)
-
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
-        """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`)."""
         drop = self.drop_fraction_at(self.step)
+        kept = active - drop_count(active, n_total, drop, self.prune_to_target)
+        return min(max(n_total - kept, 0), n - active)
+
+    def update_mask(
+        self,
+        name: str,
+        p: torch.Tensor,
+        mask: torch.Tensor,
+        sparsity: float,
+        count_range: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Drop by ``|p|``, grow by `grow_score` (`shaped_drop_and_grow`); ``count_range``: the
+        fewest and most kept per row of ``mask``, when `compute_masks` read them already."""
+        drop = self.drop_fraction_at(self.step)
+        score = self.grow_score(name, p)
         return shaped_drop_and_grow(
-            self.shaper,
-            p,
-            self.grow_score(p),
-            mask,
-            sparsity,
-            drop,
-            self.prune_to_target,
-            self._count_ranges.get(self.name_of(p)),
+            self.shaper, p, score, mask, sparsity, drop, self.prune_to_target, count_range
         )
 
 
@@ -155,7 +192,7 @@ def _row_count_ranges(stacks: list[torch.Tensor]) -> list[tuple[list[int], list[
 def shaped_drop_and_grow(
     shaper: Shaper,
     p: torch.Tensor,
-    grow_score: torch.Tensor | torch.Generator,
+    grow_score: torch.Tensor,
     mask: torch.Tensor,
     sparsity: float,
     drop_fraction: float,
@@ -173,14 +210,13 @@ def shaped_drop_and_grow(
     Args:
         shaper: maps ``[*shape]`` tensors to ``[groups, n]`` rows that compete independently.
         p: weight, any shape.
-        grow_score: same shape, higher = grow first; or a generator: grow uniformly at random
-            among the positions not kept (``mask_ops.drop_and_grow_random``, SET).
+        grow_score: same shape, higher = grow first (SET: uniform random, RigL: ``|grad|``).
         mask: current bool mask, same shape.
         sparsity: target sparsity after the update.
         drop_fraction: share of the target's active connections replaced, in [0, 1].
         prune_to_target: GraNet: also drop the surplus above the target count by magnitude.
         count_range: the fewest and most kept per row of ``mask``, if the caller read them
-            (`row_count_ranges`); else they are read here (one host sync).
+            (`_row_count_ranges`); else they are read here (one host sync).
 
     Returns:
         bool mask of ``p``'s shape with ``shaper.keep_per_row(sparsity, n)`` kept per row (or
@@ -188,22 +224,16 @@ def shaped_drop_and_grow(
     """
     w2d, m2d = shaper.shape(p.abs()), shaper.shape(mask)
     n_total = shaper.keep_per_row(sparsity, m2d.shape[-1])
-    keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
     counts = row_counts(m2d)
     if count_range is None:
         count_range = (int(counts.amin()), int(counts.amax()))
     low, high = count_range
+    # One count for every row (an int keeps top-k on its fast path), or one per row.
     n_drop: int | torch.Tensor
-    if low == high:  # the usual case: ints keep top-k on its fast path
+    if low == high:
         n_drop = drop_count(low, n_total, drop_fraction, prune_to_target)
     else:
-        base_t = counts.clamp(max=n_total) if prune_to_target else counts
-        n_drop = counts - torch.floor(base_t.double() * keep_share).long()
-    if isinstance(grow_score, torch.Generator):
-        if m2d.shape[0] == 1:  # one row: random positions are drawn, not a score per weight
-            new = drop_and_grow_random(w2d, m2d, n_drop, n_total, grow_score)
-            return shaper.unshape(new, p.shape)
-        grow_score = torch.rand(p.shape, generator=grow_score, device=p.device)
+        n_drop = drop_count(counts, n_total, drop_fraction, prune_to_target)
     new = drop_and_grow(w2d, shaper.shape(grow_score), m2d, n_drop, n_total)
     return shaper.unshape(new, p.shape)
 
@@ -216,3 +246,35 @@ def dense_grad_score(p: torch.Tensor, name: str) -> torch.Tensor:
             "backward before the optimizer step (and don't zero_grad in between)"
         )
     return p.grad.abs()
+
+
+@overload
+def drop_count(active: int, n_total: int, drop_fraction: float, prune_to_target: bool) -> int: ...
+@overload
+def drop_count(
+    active: torch.Tensor, n_total: int, drop_fraction: float, prune_to_target: bool
+) -> torch.Tensor: ...
+def drop_count(
+    active: int | torch.Tensor, n_total: int, drop_fraction: float, prune_to_target: bool
+) -> int | torch.Tensor:
+    """Connections a row with ``active`` kept drops at an update (Cerebras' counts,
+    ``cstorch.sparse`` RigL/SET): ``active - floor((1 - d) * base)``, ``base`` the active
+    count, or with ``prune_to_target`` (GraNet) that count capped at the target ``n_total``;
+    ``d`` clamped to [0, 1].
+
+    Args:
+        active: the row's kept count: an int (every row alike), or an integer tensor of one
+            count per row (``[groups]``).
+        n_total: the row's target count after the update.
+        drop_fraction: the share of the active (or target) count replaced.
+        prune_to_target: GraNet: the surplus above ``n_total`` is dropped on top.
+
+    Returns:
+        An int for an int ``active``; else an int64 tensor of ``active``'s shape.
+    """
+    keep_share = 1.0 - min(max(drop_fraction, 0.0), 1.0)
+    if isinstance(active, torch.Tensor):
+        base = active.clamp(max=n_total) if prune_to_target else active
+        return active - torch.floor(base.double() * keep_share).long()
+    base_count = min(active, n_total) if prune_to_target else active
+    return active - int(keep_share * base_count)

@@ -53,7 +53,9 @@ class GMP(SparsityAlgorithm):
         masks = global_magnitude(weights, target)
         return {name: shard_like(masks[name], sp.param) for name, sp in self.sparse_params.items()}
 
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
         """Top-``int((1 - s) n)`` of ``|p|`` per shaper row."""
         score = self.shaper.shape(p.abs())
         keep = self.shaper.keep_per_row(sparsity, score.shape[-1])

@@ -25,9 +25,9 @@ class GraNet(DropAndGrow):
     grows_by_grad_magnitude = True
     prune_to_target = True  # the schedule rises: drop the surplus above the new target first
 
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """RigL's: ``|dense gradient|``."""
-        return dense_grad_score(p, self.name_of(p))
+        return dense_grad_score(p, name)
 
     def milestones(self) -> tuple[int, ...]:
         """The ramp's end, so the final sparsity is reached whatever the cadence."""

@@ -24,11 +24,11 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import report
+from ..apply_model import model_apply_visits_child, transaction
 from ..filters import ParamFilter, PatternFilter, make_param_filter, unselected_patterns
 from ..observers import SparsityHook, UpdateHook
-from ..rng import resolve_seed
 from ..selection import Candidate, candidates, default_dense_ids, default_selects
-from .base import SparsityAlgorithm, model_apply_visits_child
+from .base import SparsityAlgorithm
 
 __all__ = ["Group"]
 
@@ -111,25 +111,7 @@ class Group:
             raise RuntimeError("Group is empty: add (filter, algorithm) pairs before applying it")
         if self.root is not None:
             raise RuntimeError(f"{self.name} is already applied to a model")
-        routed = self.route(obj)
-        before = [a.settings() for a in self]
-        done: list[tuple[SparsityAlgorithm, list]] = []
-        try:  # the phases of SparsityAlgorithm.apply, each across every member before the next
-            for algorithm, chosen in zip(self, routed, strict=True):
-                algorithm.check_candidates(chosen)
-            for algorithm in self:
-                algorithm.seed = resolve_seed(algorithm.seed)
-            masks = [a.initial_masks(c) for a, c in zip(self, routed, strict=True)]
-            for algorithm, chosen, built in zip(self, routed, masks, strict=True):
-                done.append((algorithm, algorithm.attach(obj, chosen, built)))
-        except BaseException:
-            for algorithm, sps in done:
-                algorithm.detach(sps)
-            for algorithm, settings in zip(self, before, strict=True):
-                algorithm.restore_settings(settings)
-            raise
-        for algorithm, sps in done:
-            algorithm.commit(obj, sps)
+        transaction(obj, list(self), self.route(obj))  # the members' phases, all or nothing
         self.root = obj
 
     def route(self, root: nn.Module) -> list[list[Candidate]]:
@@ -231,10 +213,10 @@ class Group:
         lambda self, v: self._set("autoupdate", v),
         doc="Whether optimizer steps update the members' masks.",
     )
-    lightning_driven = property(
-        lambda self: any(a.lightning_driven for a in self),
-        lambda self, v: self._set("lightning_driven", v),
-        doc="Set by the Lightning layer (it calls before_step).",
+    step_driver = property(
+        lambda self: next((a.step_driver for a in self if a.step_driver is not None), None),
+        lambda self, v: self._set("step_driver", v),
+        doc="The training loop that calls the members' before_step (set by a layer above).",
     )
     check_finite = property(
         lambda self: any(a.check_finite for a in self),

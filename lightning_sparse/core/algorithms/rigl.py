@@ -25,6 +25,6 @@ class RigL(DropAndGrow):
     needs_dense_grad = True
     grows_by_grad_magnitude = True
 
-    def grow_score(self, p: torch.Tensor) -> torch.Tensor:
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
         """``|dense gradient|``."""
-        return dense_grad_score(p, self.name_of(p))
+        return dense_grad_score(p, name)

@@ -19,6 +19,6 @@ class SET(DropAndGrow):
     Args: as ``DropAndGrow`` (``sparsity``, ``drop_fraction``, ``update``, ...).
     """
 
-    def grow_score(self, p: torch.Tensor) -> torch.Generator:
-        """Uniformly at random, from the ``(seed, step, name)`` stream (`generator`)."""
-        return self.generator(p)
+    def grow_score(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """Uniform random scores from the ``(seed, step, name)`` stream (`generator`)."""
+        return torch.rand(p.shape, generator=self.generator(name, p.device), device=p.device)

@@ -70,7 +70,9 @@ class Static(SparsityAlgorithm):
         masks = global_magnitude(weights, float(self.sparsity(0)))
         return [shard_like(masks[name], p) for name, _, _, p in chosen]
 
-    def update_mask(self, p: torch.Tensor, mask: torch.Tensor, sparsity: float) -> torch.Tensor:
+    def update_mask(
+        self, name: str, p: torch.Tensor, mask: torch.Tensor, sparsity: float
+    ) -> torch.Tensor:
         """Never called: a static mask never changes."""
         return mask
 

@@ -1,6 +1,6 @@
-"""`mask_batches.update_figures` and `mask_ops.row_counts`: the same counts on the CPU's path
-(``count_nonzero`` per weight) and on a GPU's (one reduction over the stack), and no sum of
-bools on the CPU."""
+"""`install.update_figures` and `mask_ops.row_counts`: the same counts on the CPU's paths
+(``count_nonzero`` per row of a large stack, a byte sum otherwise) and on a GPU's (one reduction
+over the stack), and no sum of bools."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_sparse.core import masking
-from lightning_sparse.core.mask_batches import update_figures
+from lightning_sparse.core import mask_ops, masking
+from lightning_sparse.core.install import update_figures
 from lightning_sparse.core.mask_ops import row_counts
 
 
@@ -62,9 +62,6 @@ def test_update_figures_count_exactly_on_either_path(
         monkeypatch.setattr(
             masking, "FUSED_FOREACH_DEVICES", {*masking.FUSED_FOREACH_DEVICES, "cpu"}
         )
-        import lightning_sparse.core.mask_batches as mask_batches
-
-        monkeypatch.setattr(mask_batches, "FUSED_FOREACH_DEVICES", masking.FUSED_FOREACH_DEVICES)
     old, new, ever = _masks(0)
     expected = _reference(old, new, [e.clone() for e in ever])
     figures = update_figures(old, new, ever)
@@ -89,3 +86,33 @@ def test_the_cpu_path_sums_no_bools() -> None:
     assert counts.dtype == torch.int32
     assert torch.equal(counts, new.sum(-1).to(torch.int32))
     assert torch.equal(row_counts(new, keepdim=True), new.sum(-1, keepdim=True).to(torch.int32))
+
+
+def test_long_rows_on_the_cpu_are_counted_row_by_row_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of ``HOST_SELECT_MIN`` or more in masks of ``COUNT_BY_ROW_MIN`` entries or more: one
+    ``count_nonzero`` per row (a byte sum of that size is a slow converting loop on the CPU), the
+    same int32 counts, with or without ``keepdim``."""
+    monkeypatch.setattr(mask_ops, "HOST_SELECT_MIN", 8)
+    monkeypatch.setattr(mask_ops, "COUNT_BY_ROW_MIN", 32)
+    masks = torch.rand(2, 3, 16, generator=torch.Generator().manual_seed(2)) < 0.4
+    with _BoolSums() as sums, _Ops() as ops:
+        counts = row_counts(masks)
+        kept = row_counts(masks, keepdim=True)
+    assert sums.seen == [] and "count_nonzero" in ops.seen and "sum" not in ops.seen
+    assert counts.dtype == kept.dtype == torch.int32
+    assert torch.equal(counts, masks.sum(-1).to(torch.int32))
+    assert torch.equal(kept, masks.sum(-1, keepdim=True).to(torch.int32))
+
+
+class _Ops(TorchDispatchMode):
+    """Records the name of every aten op."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))

@@ -64,7 +64,7 @@ def run_or_exit(main: Callable[[list[str]], None], args: list[str], debug: bool)
             raise
         print(f"{PROG}: {err}", file=sys.stderr, flush=True)
         sys.exit(err.exit_code)
-    except (ValueError, TypeError) as err:
+    except Exception as err:  # only those `note_key` marked: a configured object refused
         if debug or not any(n.startswith(CONFIG_ERROR_NOTE) for n in _notes(err)):
             raise
         sys.exit(short_error(err))

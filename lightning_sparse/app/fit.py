@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import lightning.pytorch as pl
 from jsonargparse import ArgumentParser
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.loggers import WandbLogger
@@ -179,7 +180,9 @@ class SparseCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         try:
             super().instantiate_classes()
-        except (ValueError, TypeError) as err:
+        except (ValueError, TypeError, ImportError, MisconfigurationException) as err:
+            # A value a class refuses; Lightning's own refusals (an accelerator this machine
+            # lacks, a precision plugin whose package is missing) among them.
             note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
         # Trainer.callbacks (and log_every_n_steps, datamodule) are set by Lightning's connectors,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import errno
+import importlib.util
 import json
 import logging
 import os
@@ -420,3 +421,18 @@ def test_config_error_note_on_every_supported_python(
     errors.note_key(err, Namespace())
     assert [n for n in err.__notes__ if n.startswith(errors.CONFIG_ERROR_NOTE)]
     assert "sparsity=1.5" in errors.short_error(err)
+
+
+def test_a_precision_plugin_whose_package_is_missing_is_a_short_error(tmp_path: Path) -> None:
+    """Lightning's own refusals while the Trainer is built (here: the precision plugin's package
+    is not installed) are a few lines, not a traceback, and train nothing."""
+    pytest.importorskip("lightning")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("transformer_engine is installed: the precision is accepted")
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *TINY, *CSV, "--trainer.precision", "transformer-engine"])
+    message = str(info.value.code)
+    assert message.startswith("lightning-sparse: configuration error")
+    assert "ModuleNotFoundError: Requirement 'transformer_engine" in message
+    assert "Traceback" not in message and len(message.splitlines()) == 3
+    assert list(tmp_path.glob("outputs/**/version_*")) == []

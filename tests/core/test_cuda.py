@@ -511,6 +511,9 @@ def test_nothing_stays_on_the_gpu_after_the_model_leaves_it() -> None:
     state is the user's): no CUDA memory is left allocated by the algorithm."""
     import gc
 
+    warm_model, _, warm_optimizer = setup("cuda", ALGORITHMS["static"])  # cuBLAS workspaces,
+    train_step(warm_model, warm_optimizer, *batches("cuda", n=1)[0])  # kept by the handles
+    del warm_model, warm_optimizer
     gc.collect()
     before = torch.cuda.memory_allocated()
     model, sparsity, optimizer = setup("cuda", ALGORITHMS["rigl"])

@@ -8,7 +8,12 @@ masks applied (`per_step.StepHooks`), and carries the decisions out:
 1. **apply** (`apply`): select the parameters, then the phases of `apply_model.Phases` (check,
    seed, the algorithm's initial masks, attach, commit), which `apply_model.transaction` runs for
    one algorithm, or for a `Group`'s members together; a refused ``apply`` restores the settings.
-2. **remove**: masks and hooks gone; the model and optimizers train dense.
+2. **an update**: the rule sees each parameter and its mask whole and ``[out, in]``
+   (`rule_param`, `rule_view`) and its mask goes back to the parameter's layout (`stored`);
+   `install` copies the new masks in (`install.install`), records the update's figures
+   (``last_update``) and what each mask was built for.
+3. **a move** (`follow_mask`): the last update's figures follow a mask to its new device.
+4. **remove**: masks and hooks gone; the model and optimizers train dense.
 
 It asks its algorithm for decisions only (`Owner`'s methods), never for its attributes: the
 settings it needs (shaper, layer distribution, filter, init method, ITOP, seed) it is given when
@@ -26,16 +31,17 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from . import applied, apply_model, ddp_ignore, legacy
+from . import applied, apply_model, ddp_ignore, held, install, legacy
 from .apply_checks import check_candidates
 from .distributions import LayerSparsity
 from .filters import ParamFilter, frozen_left_dense, unselected_patterns
-from .layouts import is_in_out
+from .layouts import as_out_in, is_in_out
 from .observers import Observers
 from .per_step import StepHooks
 from .rng import resolve_seed
 from .selection import Candidate, select
 from .shapers import Shaper
+from .sharding import full, is_sharded, shard_like
 from .sparse_parameter import SparseParameter
 
 __all__ = ["MaskState", "Owner"]
@@ -111,6 +117,7 @@ class MaskState:
             owner.initial_mask,
             legacy.take_mask_entries,  # an earlier version's model state dicts
         )
+        self.hooks.on_mask_dropped.append(self.follow_mask)
 
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was built for."""
@@ -213,7 +220,53 @@ class MaskState:
         ddp_ignore.ignore_masks(root, self.name, sps)
         self.observers.emit_sparsity(self.owner, self.sparse_params, self.mask_target)
 
-    # ------------------------------------------------------------------ 2. remove
+    # ------------------------------------------------------------------ 2. an update
+    def rule_param(self, name: str) -> torch.Tensor:
+        """The parameter ``name`` as the rule sees it: whole (a shard gathered with its
+        gradient; the device's compact weight as a dense copy, `held`), and ``[out, in]`` for a
+        parameter stored ``[in, out]`` (its gradient too)."""
+        param = self.sparse_params[name].param
+        p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
+        if is_sharded(param):
+            p = full(param.detach())
+            p.grad = full(param.grad) if param.grad is not None else None
+        return as_out_in(p) if name in self.in_out_params else p
+
+    def rule_view(self, name: str) -> torch.Tensor:
+        """The mask of ``name`` as the rule sees it: whole (a shard gathered), and
+        ``[out, in]`` for a parameter stored ``[in, out]``."""
+        mask = full(self.sparse_params[name].mask)
+        return mask.t() if name in self.in_out_params else mask
+
+    def stored(self, name: str, mask: torch.Tensor) -> torch.Tensor:
+        """A mask the rule made for ``name`` (as `rule_view` shows it) in the parameter's own
+        layout: ``[in, out]`` again where it is stored so, sharded like the parameter."""
+        flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+        return shard_like(mask.t().contiguous() if flip else mask, self.sparse_params[name].param)
+
+    def install(self, masks: dict[str, torch.Tensor], targets: dict[str, float], step: int) -> None:
+        """Copy the update's ``masks`` into the mask buffers and prune the weights
+        (`install.install`), record ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per
+        parameter (0-d tensors: no host sync) and each mask's target, and tell the observers of
+        the update at ``step``; gradients and optimizer state are pruned again before the step."""
+        stats = install.install(self.sparse_params, masks, self.hooks)
+        self.last_update, self.unlogged_update = stats, True
+        self.mask_targets.update({n: targets[n] for n in masks})
+        self.hooks.changed()
+        self.observers.emit_sparsity(self.owner, self.sparse_params, self.mask_target)
+        self.observers.emit_update(self.owner, step, stats)
+
+    # ------------------------------------------------------------------ 3. a move
+    def follow_mask(self, name: str) -> None:
+        """The module let ``name``'s mask go (`StepHooks.on_mask_dropped`): the last update's
+        figures of ``name`` follow the mask that replaced it to its device (a move), so nothing
+        stays behind on the old one."""
+        sp, stats = self.sparse_params.get(name), self.last_update.get(name)
+        mask = sp.module._buffers.get(sp.mask_name) if sp is not None else None
+        if stats and mask is not None:
+            self.last_update[name] = {k: v.to(mask.device) for k, v in stats.items()}
+
+    # ------------------------------------------------------------------ 4. remove
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""
         self.hooks.remove()

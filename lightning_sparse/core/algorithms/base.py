@@ -11,10 +11,10 @@ The class reads top to bottom as the algorithm's life: the schedule (which steps
 sparsity), ``apply`` (a model: the initial masks, which its masks' state selects for, checks,
 attaches and prunes, all or nothing; an optimizer: its step hooks), the step (``before_step``:
 ``update``; after it: ``step += 1``), checkpoints (``state_dict`` / ``load_state_dict``) and
-``remove``. The class decides; the masks, their state and the mechanics that apply and remove
-them are its `mask_state` (`mask_state.MaskState`). What else it calls is pure (`saved_state`,
-`masking`) or the per-step path (`per_step`), which keeps pruned entries at exactly 0 between
-the moments decided here.
+``remove``. The class decides; the masks, their state and the mechanics that apply them,
+install an update's, follow them on a move and remove them are its `mask_state`
+(`mask_state.MaskState`). What else it calls is pure (`saved_state`, `masking`) or the per-step
+path (`per_step`), which keeps pruned entries at exactly 0 between the moments decided here.
 """
 
 from __future__ import annotations
@@ -29,14 +29,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import apply_model, held, legacy, report, saved_state, validate
+from .. import apply_model, legacy, report, saved_state, validate
 from ..apply_checks import check_optimizer, check_shaper
 from ..cadences import make_update_schedule
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
-from ..install import install
-from ..layouts import as_out_in
 from ..mask_state import MaskState
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
@@ -45,7 +43,6 @@ from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import ScheduleSpec, UpdateSpec, bind, check_schedule, evaluate
 from ..selection import Candidate
 from ..shapers import Shaper, Unstructured
-from ..sharding import full, is_sharded, shard_like
 from .registry import register_algorithm
 
 __all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
@@ -131,7 +128,6 @@ class SparsityAlgorithm(ABC):
             seed=seed,
             observers=self.observers,
         )
-        self.hooks.on_mask_dropped.append(self._follow_mask)
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
@@ -325,7 +321,7 @@ class SparsityAlgorithm(ABC):
             targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             masks = self.compute_masks(targets)
         self.last_update_step = self.step
-        self._install(masks, targets)
+        self.mask_state.install(masks, targets, self.step)
         if optimizer is None:  # called by hand: mask the gradients for clipping now
             for opt in self.hooks.optimizers:
                 self.hooks.sync(opt)
@@ -353,48 +349,17 @@ class SparsityAlgorithm(ABC):
 
     def mask_of(self, name: str, target: float, rule: Rule | None = None) -> torch.Tensor:
         """``name``'s new mask at sparsity ``target`` by ``rule`` (default: `update_mask`),
-        which sees the parameter and its mask as `update_mask` does (`rule_view`)."""
-        param = self.sparse_params[name].param
-        p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
-        if is_sharded(param):
-            p = full(param.detach())
-            p.grad = full(param.grad) if param.grad is not None else None
-        flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+        which sees the parameter and its mask as `update_mask` does (`MaskState.rule_param`,
+        `MaskState.rule_view`: whole, ``[out, in]``)."""
         rule = self.update_mask if rule is None else rule
-        new = rule(name, as_out_in(p) if flip else p, self.rule_view(name), target)
-        return shard_like(new.t().contiguous() if flip else new, param)
-
-    def rule_view(self, name: str) -> torch.Tensor:
-        """The mask of ``name`` as ``update_mask`` sees it: whole (a shard gathered), and
-        ``[out, in]`` for a parameter stored ``[in, out]``."""
-        mask = full(self.sparse_params[name].mask)
-        return mask.t() if name in self.in_out_params else mask
-
-    def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
-        """Copy ``masks`` into the mask buffers and prune the weights (`install`), record
-        ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host
-        sync) and tell the observers; gradients and optimizer state are pruned again before the
-        step."""
-        stats = install(self.sparse_params, masks, self.hooks)
-        self.mask_state.last_update, self.unlogged_update = stats, True
-        self.mask_targets.update({n: targets[n] for n in masks})
-        self.hooks.changed()
-        self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
-        self.observers.emit_update(self, self.step, stats)
+        state = self.mask_state
+        new = rule(name, state.rule_param(name), state.rule_view(name), target)
+        return state.stored(name, new)
 
     def generator(self, name: str, device: torch.device) -> torch.Generator:
         """The random stream of the parameter ``name`` at this step, on ``device``: the same on
         every rank and after a resume (`rng.generator_for`)."""
         return generator_for(self.mask_state.applied_seed(), self.step, name, device)
-
-    def _follow_mask(self, name: str) -> None:
-        """The module let ``name``'s mask go (`StepHooks.on_mask_dropped`): the last update's
-        figures of ``name`` follow the mask that replaced it to its device (a move), so nothing
-        stays behind on the old one."""
-        sp, stats = self.sparse_params.get(name), self.last_update.get(name)
-        mask = sp.module._buffers.get(sp.mask_name) if sp is not None else None
-        if stats and mask is not None:
-            self.last_update[name] = {k: v.to(mask.device) for k, v in stats.items()}
 
     # ------------------------------------------------------------------ reports and observers
     def mask_target(self, name: str) -> float:

@@ -13,7 +13,9 @@ masks applied (`per_step.StepHooks`), and carries the decisions out:
    `install` copies the new masks in (`install.install`), records the update's figures
    (``last_update``) and what each mask was built for.
 3. **a move** (`follow_mask`): the last update's figures follow a mask to its new device.
-4. **remove**: masks and hooks gone; the model and optimizers train dense.
+4. **checkpoints**: the masks' part of the algorithm's state: packed (`pack`), what a state
+   must match (`expected`) and restored in place (`restore`), through `saved_state`.
+5. **remove**: masks and hooks gone; the model and optimizers train dense.
 
 It asks its algorithm for decisions only (`Owner`'s methods), never for its attributes: the
 settings it needs (shaper, layer distribution, filter, init method, ITOP, seed) it is given when
@@ -25,13 +27,13 @@ from __future__ import annotations
 import logging
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from . import applied, apply_model, ddp_ignore, held, install, legacy
+from . import applied, apply_model, ddp_ignore, held, install, legacy, saved_state
 from .apply_checks import check_candidates
 from .distributions import LayerSparsity
 from .filters import ParamFilter, frozen_left_dense, unselected_patterns
@@ -118,6 +120,13 @@ class MaskState:
             legacy.take_mask_entries,  # an earlier version's model state dicts
         )
         self.hooks.on_mask_dropped.append(self.follow_mask)
+
+    @property
+    def ever_active(self) -> dict[str, torch.Tensor]:
+        """``{name: bool mask}`` of the positions ever kept (ITOP; empty unless ``track_itop``):
+        ``<param>_ever_active`` buffers, so they follow the model's device."""
+        found = ((name, sp.ever_active) for name, sp in self.sparse_params.items())
+        return {name: ever for name, ever in found if ever is not None}
 
     def mask_target(self, name: str) -> float:
         """Sparsity the current mask of ``name`` was built for."""
@@ -266,7 +275,56 @@ class MaskState:
         if stats and mask is not None:
             self.last_update[name] = {k: v.to(mask.device) for k, v in stats.items()}
 
-    # ------------------------------------------------------------------ 4. remove
+    # ------------------------------------------------------------------ 4. checkpoints
+    def pack(
+        self, *, step: int, last_update_step: int, kind: str, config: dict[str, str]
+    ) -> dict[str, Any]:
+        """The algorithm's state (`saved_state.pack_state`): its counters, ``kind`` and
+        ``config``, with the seed, the masks (packed 1 bit per element; a sharded one gathered:
+        call it on every rank), ``removed`` and the ever-active sets."""
+        return saved_state.pack_state(
+            step=step,
+            last_update_step=last_update_step,
+            seed=self.seed,
+            kind=kind,
+            masks={name: sp.mask for name, sp in self.sparse_params.items()},
+            config=config,
+            removed=self.removed,
+            ever_active=self.ever_active,
+        )
+
+    def expected(self, kind: str, config: dict[str, str]) -> saved_state.Expected:
+        """What a state must agree with to load here (`saved_state.check_state`): the
+        algorithm's ``kind`` and ``config``, the masks' shapes (none before ``apply``), the
+        seed and the ever-active sets."""
+        return saved_state.Expected(
+            owner=self.name,
+            kind=kind,
+            shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
+            config=config,
+            seed=self.seed,
+            seed_given=self.seed_given,
+            ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
+            applied=self.root is not None,
+        )
+
+    def restore(
+        self, state: Mapping[str, Any], masks: dict[str, torch.Tensor], targets: dict[str, float]
+    ) -> None:
+        """Restore a checked ``state`` (`saved_state`): the seed, the ever-active sets, the
+        saved ``masks`` in place (all ones for a removed algorithm's state) after the values a
+        model load just zeroed that they keep, then prune; each mask's target from ``targets``.
+        Gradients and optimizer state are pruned before the next step."""
+        self.seed = state.get("seed", self.seed)
+        saved_state.restore_ever_active_(self.ever_active, saved_state.saved_ever_active(state))
+        unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
+        removed = bool(state.get("removed"))
+        saved_state.restore_masks_(self.sparse_params, masks, removed, unpruned)
+        self.mask_targets.update(targets)
+        self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
+        self.hooks.changed()
+
+    # ------------------------------------------------------------------ 5. remove
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""
         self.hooks.remove()

@@ -12,9 +12,10 @@ sparsity), ``apply`` (a model: the initial masks, which its masks' state selects
 attaches and prunes, all or nothing; an optimizer: its step hooks), the step (``before_step``:
 ``update``; after it: ``step += 1``), checkpoints (``state_dict`` / ``load_state_dict``) and
 ``remove``. The class decides; the masks, their state and the mechanics that apply them,
-install an update's, follow them on a move and remove them are its `mask_state`
-(`mask_state.MaskState`). What else it calls is pure (`saved_state`, `masking`) or the per-step
-path (`per_step`), which keeps pruned entries at exactly 0 between the moments decided here.
+install an update's, follow them on a move, save and restore them and remove them are its
+`mask_state` (`mask_state.MaskState`). What else it calls is pure (`saved_state`'s checks and
+readers, `masking`) or the per-step path (`per_step`), which keeps pruned entries at exactly 0
+between the moments decided here.
 """
 
 from __future__ import annotations
@@ -168,6 +169,7 @@ class SparsityAlgorithm(ABC):
     seed = property(lambda self: self.mask_state.seed)
     seed_given = property(lambda self: self.mask_state.seed_given)
     hooks = property(lambda self: self.mask_state.hooks)
+    ever_active = property(lambda self: self.mask_state.ever_active)
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -370,13 +372,6 @@ class SparsityAlgorithm(ABC):
         """(target, actual) over the sparse parameters, weighted by size (actual: 0-d tensor)."""
         return report.overall_sparsity(self.sparse_params, self.mask_target)
 
-    @property
-    def ever_active(self) -> dict[str, torch.Tensor]:
-        """``{name: bool mask}`` of the positions ever kept (ITOP; empty unless ``track_itop``):
-        ``<param>_ever_active`` buffers, so they follow the model's device."""
-        found = ((name, sp.ever_active) for name, sp in self.sparse_params.items())
-        return {name: ever for name, ever in found if ever is not None}
-
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
         return report.itop_rate(self.ever_active)
@@ -408,30 +403,17 @@ class SparsityAlgorithm(ABC):
         (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
         ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
         are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
-        return saved_state.pack_state(
+        return self.mask_state.pack(
             step=self.step,
             last_update_step=self.last_update_step,
-            seed=self.seed,
             kind=type(self).__name__.lower(),
-            masks={name: sp.mask for name, sp in self.sparse_params.items()},
             config=self.config(),
-            removed=self.removed,
-            ever_active=self.ever_active,
         )
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
         """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
         works before ``apply`` (masks are then checked against the shapes the state records)."""
-        expected = saved_state.Expected(
-            owner=self.name,
-            kind=type(self).__name__.lower(),
-            shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
-            config=self.config(),
-            seed=self.seed,
-            seed_given=self.seed_given,
-            ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
-            applied=self.root is not None,
-        )
+        expected = self.mask_state.expected(type(self).__name__.lower(), self.config())
         saved_state.check_state(state, expected, self.target_sparsity, loading=loading)
 
     def load_state_dict(self, state: Any) -> None:
@@ -446,16 +428,9 @@ class SparsityAlgorithm(ABC):
             state, list(self.sparse_params), self.target_sparsity, self.name
         )
         masks = saved_state.saved_masks(state, self.name)
-        removed = bool(state.get("removed"))
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
-        self.mask_state.seed = state.get("seed", self.seed)
-        saved_state.restore_ever_active_(self.ever_active, saved_state.saved_ever_active(state))
-        unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
-        saved_state.restore_masks_(self.sparse_params, masks, removed, unpruned)
-        self.mask_targets.update(targets)
-        self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
-        self.hooks.changed()
+        self.mask_state.restore(state, masks, targets)
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""

@@ -1,11 +1,11 @@
 """The ``apply(model)`` transaction: the initial masks, attached reversibly, then committed.
 
 `SparsityAlgorithm.apply` (one algorithm) and `Group.apply` (its members) select the parameters
-(`selection`) and run the phases of `Phases` as one `transaction`: check them (`apply_checks`),
-resolve the seed, build the initial masks (`initial_mask`), `attach` them with the per-step hooks,
-and commit (`commit_masks` prunes). Nothing changes the model before `attach`, and every `attach`
-is undone (`detach`) on any failure before the commits: a refused ``apply`` leaves the model and
-the algorithms' settings as they were.
+(`selection`) and run the phases of `Phases` (each algorithm's `mask_state.MaskState`) as one
+`transaction`: check them (`apply_checks`), resolve the seed, build the initial masks
+(`initial_mask`), `attach` them with the per-step hooks, and commit (`commit_masks` prunes).
+Nothing changes the model before `attach`, and every `attach` is undone (`detach`) on any failure
+before the commits: a refused ``apply`` leaves the model and the algorithms' settings as they were.
 
 ``model.apply(sparsity)`` calls the algorithm on every submodule, the model last; only the
 model's call acts (`model_apply_visits_child`), so parameter filters see full names.
@@ -43,7 +43,7 @@ log = logging.getLogger("lightning_sparse")
 
 
 class Phases(Protocol):
-    """The phases of ``apply(model)`` an algorithm runs (`SparsityAlgorithm`'s methods)."""
+    """The phases of ``apply(model)`` an algorithm runs (its masks' `mask_state.MaskState`)."""
 
     def settings(self) -> tuple[Any, ...]: ...
     def restore_settings(self, settings: tuple[Any, ...]) -> None: ...

@@ -7,7 +7,7 @@ is 2 bytes per masked weight per forward (a ring all-reduce of its fp32 gradient
 for tensors every rank already holds: randomness comes from ``(seed, step, name)``, ties break to
 the lower index, and updates read weights and all-reduced gradients that DDP keeps equal.
 
-So when an algorithm is applied (`SparsityAlgorithm.commit`), their names go into DDP's list of
+So when an algorithm is applied (`MaskState.commit`), their names go into DDP's list of
 names to ignore, ``root._ddp_params_and_buffers_to_ignore``, set through DDP's own
 ``_set_params_and_buffers_to_ignore_for_model``, after any names already there; ``remove()``
 takes out only the names it added. DDP reads the list once, when it is built (torch 2.13,

@@ -72,6 +72,7 @@ SHIMS: dict[str, Shim] = {
                 f"{_CORE}.legacy:mask_keys",
                 f"{_CORE}.legacy:take_mask_entries",
                 f"{_CORE}.legacy:adopt_mask_entries",
+                f"{_CORE}.mask_state:MaskState",
                 f"{_CORE}.per_step:StepHooks.before_model_load",
                 f"{_CORE}.state_dict:checkpoint_masks",
                 f"{_CORE}.state_dict:strip_masks",

@@ -1,5 +1,7 @@
 """`SparsityAlgorithm` is one class a reader can follow (issue 19.1): its behaviour is in the
-class or in pure helpers it calls, never in functions of other modules that take it as ``self``.
+class or in pure helpers it calls, never in functions of other modules that take it as ``self``;
+the masks it holds are a component of their own (`MaskState`, issue 33.1), which asks it for its
+decisions only.
 """
 
 from __future__ import annotations
@@ -86,3 +88,35 @@ def test_a_step_driver_calls_before_step_itself() -> None:
     sparsity.before_step(optimizer)  # the loop's call
     optimizer.step()
     assert sparsity.last_update_step == 2
+
+
+def test_the_masks_state_asks_its_algorithm_for_decisions_only() -> None:
+    """`MaskState` holds an algorithm's masks and carries its decisions out: of the algorithm
+    (its ``owner``) it calls what the `Owner` protocol names and nothing else, so the two do not
+    hand control to each other through attributes."""
+    from lightning_sparse.core import mask_state
+
+    allowed = {name for name in vars(mask_state.Owner) if not name.startswith("_")}
+    used = set()
+    for node in ast.walk(ast.parse(Path(mask_state.__file__).read_text())):
+        if not isinstance(node, ast.Attribute):
+            continue
+        of = node.value
+        if isinstance(of, ast.Attribute) and isinstance(of.value, ast.Name):
+            of_owner = of.attr == "owner" and of.value.id == "self"  # self.owner.<name>
+        else:
+            of_owner = isinstance(of, ast.Name) and of.id == "owner"  # owner.<name>
+        if of_owner:
+            used.add(node.attr)
+    assert used and used <= allowed, f"MaskState reads its algorithm's {sorted(used - allowed)}"
+
+
+def test_every_module_of_the_package_is_at_most_600_lines() -> None:
+    """Files stay small (STYLE.md; issue 33.1): a module past 600 lines holds more than one job."""
+    package = CORE.parent
+    long = {
+        str(path.relative_to(package)): lines
+        for path in sorted(package.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > 600
+    }
+    assert not long, f"modules over 600 lines: {long}"

@@ -8,21 +8,21 @@ counts completed optimizer steps; the update for step ``t`` runs after its gradi
 accumulated, before its optimizer step (Evci et al. 2020, Algorithm 1).
 
 The class reads top to bottom as the algorithm's life: the schedule (which steps update, to what
-sparsity), ``apply`` (a model: select, check, build masks, attach, prune, all or nothing; an
-optimizer: its step hooks), the step (``before_step``: ``update``; after it: ``step += 1``),
-checkpoints (``state_dict`` / ``load_state_dict``) and ``remove``. What it calls is pure
-(`selection`, `apply_checks`, `saved_state`, `masking`) or the per-step path (`per_step`), which
-keeps pruned entries at exactly 0 between the moments decided here.
+sparsity), ``apply`` (a model: the initial masks, which its masks' state selects for, checks,
+attaches and prunes, all or nothing; an optimizer: its step hooks), the step (``before_step``:
+``update``; after it: ``step += 1``), checkpoints (``state_dict`` / ``load_state_dict``) and
+``remove``. The class decides; the masks, their state and the mechanics that apply them,
+install an update's, follow them on a move, save and restore them and remove them are its
+`mask_state` (`mask_state.MaskState`). What else it calls is pure (`saved_state`'s checks and
+readers, `masking`) or the per-step path (`per_step`), which keeps pruned entries at exactly 0
+between the moments decided here.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-import logging
-import warnings
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -30,29 +30,24 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import applied, apply_model, ddp_ignore, held, legacy, report, saved_state, validate
-from ..apply_checks import check_candidates, check_optimizer, check_shaper
+from .. import apply_model, legacy, report, saved_state, validate
+from ..apply_checks import check_optimizer, check_shaper
 from ..cadences import make_update_schedule
 from ..distributions import LayerSparsity
-from ..filters import ParamFilter, frozen_left_dense, make_param_filter, unselected_patterns
+from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
-from ..install import install
-from ..layouts import as_out_in, is_in_out
+from ..mask_state import MaskState
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
-from ..per_step import StepHooks
-from ..rng import generator_for, resolve_seed
+from ..rng import generator_for
 from ..scaler_steps import SkippedSteps, found_inf
 from ..schedules import ScheduleSpec, UpdateSpec, bind, check_schedule, evaluate
-from ..selection import Candidate, select
+from ..selection import Candidate
 from ..shapers import Shaper, Unstructured
-from ..sharding import full, is_sharded, shard_like
-from ..sparse_parameter import SparseParameter
 from .registry import register_algorithm
 
 __all__ = ["DynamicSparsityAlgorithm", "SparsityAlgorithm"]
 
-log = logging.getLogger("lightning_sparse")
 _counter = itertools.count()
 # The rule's signature: (name, p, mask, sparsity) -> new mask (`SparsityAlgorithm.update_mask`).
 Rule = Callable[[str, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -106,8 +101,7 @@ class SparsityAlgorithm(ABC):
         self.sparsity = bind(sparsity, self.update_schedule, True, check=validate.sparsity)
         self.init_method = make_init_method(init_method)
         self.param_filter = make_param_filter(param_filter)
-        self.seed = validate.seed(seed)
-        self.seed_given = seed is not None
+        seed = validate.seed(seed)
         self.shaper = check_shaper(shaper) if shaper is not None else Unstructured()
         self.layers = LayerSparsity(distribution, erk_power_scale)
         self.track_itop = bool(track_itop)
@@ -120,24 +114,21 @@ class SparsityAlgorithm(ABC):
         # transformers Trainer callback); None: the optimizer's step pre-hook calls it.
         self.step_driver: str | None = None
         self.check_finite = False  # set under AMP: skip updates on steps the scaler will skip
-        self.root: nn.Module | None = None
-        self.sparse_params: OrderedDict[str, SparseParameter] = OrderedDict()
-        self.last_update: dict[str, dict[str, torch.Tensor]] = {}
-        self.unlogged_update = False
         self.last_update_step = -1
-        self.mask_targets: dict[str, float] = {}  # the sparsity each current mask was built for
-        self.removed = False  # remove() ran (densify): its state prunes nothing when loaded
-        # Parameters stored [in, out] (HF Conv1D, `layouts`); set by `check_candidates`. The
-        # init method, shaper and update_mask see them transposed, as [out, in] like nn.Linear.
-        self.in_out_params: set[str] = set()
         self.observers = Observers()
-        self.hooks = StepHooks(
-            self.sparse_params,
-            lambda: self.dense_grad_needed,
-            self.initial_mask,
-            legacy.take_mask_entries,  # an earlier version's model state dicts
+        # The masks: the model, its sparse parameters, their state and the mechanics that
+        # apply, change and remove them; this class decides, `mask_state` carries it out.
+        self.mask_state = MaskState(
+            self,
+            self.name,
+            shaper=self.shaper,
+            layers=self.layers,
+            param_filter=self.param_filter,
+            init_method=self.init_method,
+            track_itop=self.track_itop,
+            seed=seed,
+            observers=self.observers,
         )
-        self.hooks.on_mask_dropped.append(self._follow_mask)
         self.check_range(self.horizon())
 
     # ------------------------------------------------------------------ the rule (subclasses)
@@ -161,6 +152,24 @@ class SparsityAlgorithm(ABC):
     def milestones(self) -> tuple[int, ...]:
         """Steps that are update steps whatever the cadence (none by default)."""
         return ()
+
+    # ------------------------------------------------------------------ the masks' state
+    # Held by `mask_state` (`MaskState`'s attributes); read here by Group, the layers above and
+    # the device.
+    root = property(lambda self: self.mask_state.root)
+    sparse_params = property(lambda self: self.mask_state.sparse_params)
+    in_out_params = property(lambda self: self.mask_state.in_out_params)
+    mask_targets = property(lambda self: self.mask_state.mask_targets)
+    last_update = property(lambda self: self.mask_state.last_update)
+    unlogged_update = property(
+        lambda self: self.mask_state.unlogged_update,
+        lambda self, value: setattr(self.mask_state, "unlogged_update", value),
+    )
+    removed = property(lambda self: self.mask_state.removed)
+    seed = property(lambda self: self.mask_state.seed)
+    seed_given = property(lambda self: self.mask_state.seed_given)
+    hooks = property(lambda self: self.mask_state.hooks)
+    ever_active = property(lambda self: self.mask_state.ever_active)
 
     # ------------------------------------------------------------------ schedule
     @property
@@ -236,7 +245,7 @@ class SparsityAlgorithm(ABC):
         """Sparsify a model (masks, pruning; all or nothing) or an optimizer (its step hooks;
         the optimizer applied last advances ``step``)."""
         if isinstance(obj, nn.Module):
-            self._apply_model(obj)
+            self.mask_state.apply(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             check_optimizer(self.name, self.root, obj, self.hooks.optimizers)
             self.hooks.attach_optimizer(obj, self._pre_step, self._post_step)
@@ -246,62 +255,17 @@ class SparsityAlgorithm(ABC):
                 f"{type(obj).__name__}"
             )
 
-    def _apply_model(self, root: nn.Module) -> None:
-        """Select, check, build the masks, then attach; a failure leaves the model and this
-        algorithm's settings as they were."""
-        chosen = self.select(root)
-        if not chosen:
-            warnings.warn(
-                f"{self.name}: no parameter of {type(root).__name__} matched the parameter "
-                "filter, so nothing was sparsified; check param_filter against "
-                "model.named_parameters()",
-                stacklevel=4,
-            )
-        apply_model.transaction(root, [self], [chosen])
-
-    # The phases of `apply(model)`, also run by `Group` across its members: nothing changes the
-    # model before `attach`, and `attach` is undone (`detach`) until `commit` prunes.
     def select(self, root: nn.Module) -> list[Candidate]:
-        """The parameters of ``root`` this algorithm's filter picks, in registration order;
-        warns of glob patterns that select nothing and of frozen weights left dense."""
-        found = select(root, self.param_filter)
-        for message in unselected_patterns(self.name, self.param_filter, found.names):
-            warnings.warn(message, stacklevel=4)  # a typo in one glob of a list
-        if found.frozen:
-            log.warning(frozen_left_dense(self.name, found.frozen))
-        return found.chosen
-
-    def check_candidates(self, chosen: list[Candidate]) -> None:
-        """Raise, before anything is modified, unless ``chosen`` can be sparsified (dtype,
-        shaper fit, masks of another algorithm, `apply_checks`); records their layouts and
-        shapes (undone by `restore_settings`)."""
-        if self.root is not None:
-            raise RuntimeError(
-                f"{self.name} is already applied to a model; create a new algorithm object per "
-                "model (applying twice would stack masks)"
-            )
-        self.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
-        orphans = check_candidates(
-            chosen,
-            owner=self.name,
-            shaper=self.shaper,
-            in_out=self.in_out_params,
-            filtered=self.param_filter is not None,
-            owned=applied.owned_masks(),
-        )
-        self.layers.set_shapes({name: param.shape for name, _, _, param in chosen})
-        apply_model.log_orphans(self.name, orphans, self.init_method)
-
-    def resolve_seed(self) -> None:
-        """``seed=None`` becomes the experiment's torch seed (rank 0's under torch.distributed)."""
-        self.seed = resolve_seed(self.seed)
+        """The parameters of ``root`` this algorithm's filter picks, in registration order
+        (`MaskState.select`: warns of glob patterns that select nothing, frozen weights)."""
+        return self.mask_state.select(root)
 
     def initial_mask(self, name: str, param: torch.Tensor) -> torch.Tensor:
         """The mask at ``apply``: ``init_method`` at the step-0 target (checked), or all-ones when
         training starts dense (step 0 is not an update step)."""
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
-        generator = generator_for(self._applied_seed(), 0, name, param.device)
+        generator = generator_for(self.mask_state.applied_seed(), 0, name, param.device)
         target, in_out = self.initial_target(name), name in self.in_out_params
         return apply_model.initial_mask(
             name, param, self.init_method, target, generator, self.shaper, in_out
@@ -310,39 +274,6 @@ class SparsityAlgorithm(ABC):
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
         return [self.initial_mask(name, param) for name, _, _, param in chosen]
-
-    def attach(
-        self, root: nn.Module, chosen: list[Candidate], masks: list[torch.Tensor]
-    ) -> list[SparseParameter]:
-        """Register the masks and the per-step hooks of ``chosen``; on failure undo them and
-        raise. Reversible (`detach`) until `commit` prunes."""
-        return apply_model.attach(root, chosen, masks, self.hooks)
-
-    def detach(self, sps: list[SparseParameter]) -> None:
-        """Undo `attach`."""
-        apply_model.detach(sps, self.hooks)
-
-    def commit(self, root: nn.Module, sps: list[SparseParameter]) -> None:
-        """Prune the attached parameters: from here this algorithm owns them. Their masks leave
-        DDP's buffer broadcast (`ddp_ignore`; under torch.distributed every rank compares)."""
-        self.root = root
-        self.sparse_params.update((sp.name, sp) for sp in sps)
-        apply_model.commit_masks(sps, self.track_itop)
-        self.mask_targets = {sp.name: self.initial_target(sp.name) for sp in sps}
-        if sps:
-            applied.record(root, self)
-        ddp_ignore.ignore_masks(root, self.name, sps)
-        self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
-
-    def settings(self) -> tuple[Any, ...]:
-        """What checking and seeding set before the masks exist: the seed, the [in, out]
-        parameters and the layer shapes (`restore_settings` undoes a refused apply)."""
-        return self.seed, self.in_out_params, dict(self.layers.shapes)
-
-    def restore_settings(self, settings: tuple[Any, ...]) -> None:
-        """Undo what a refused ``apply`` set (`settings`)."""
-        self.seed, self.in_out_params, shapes = settings
-        self.layers.set_shapes(shapes)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -392,7 +323,7 @@ class SparsityAlgorithm(ABC):
             targets = {name: self.target_sparsity(name, self.step) for name in self.sparse_params}
             masks = self.compute_masks(targets)
         self.last_update_step = self.step
-        self._install(masks, targets)
+        self.mask_state.install(masks, targets, self.step)
         if optimizer is None:  # called by hand: mask the gradients for clipping now
             for opt in self.hooks.optimizers:
                 self.hooks.sync(opt)
@@ -420,57 +351,17 @@ class SparsityAlgorithm(ABC):
 
     def mask_of(self, name: str, target: float, rule: Rule | None = None) -> torch.Tensor:
         """``name``'s new mask at sparsity ``target`` by ``rule`` (default: `update_mask`),
-        which sees the parameter and its mask as `update_mask` does (`rule_view`)."""
-        param = self.sparse_params[name].param
-        p = held.dense_of(param)  # the device's compact layer: a dense copy, this one only
-        if is_sharded(param):
-            p = full(param.detach())
-            p.grad = full(param.grad) if param.grad is not None else None
-        flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
+        which sees the parameter and its mask as `update_mask` does (`MaskState.rule_param`,
+        `MaskState.rule_view`: whole, ``[out, in]``)."""
         rule = self.update_mask if rule is None else rule
-        new = rule(name, as_out_in(p) if flip else p, self.rule_view(name), target)
-        return shard_like(new.t().contiguous() if flip else new, param)
-
-    def rule_view(self, name: str) -> torch.Tensor:
-        """The mask of ``name`` as ``update_mask`` sees it: whole (a shard gathered), and
-        ``[out, in]`` for a parameter stored ``[in, out]``."""
-        mask = full(self.sparse_params[name].mask)
-        return mask.t() if name in self.in_out_params else mask
-
-    def _install(self, masks: dict[str, torch.Tensor], targets: dict[str, float]) -> None:
-        """Copy ``masks`` into the mask buffers and prune the weights (`install`), record
-        ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per parameter (0-d tensors: no host
-        sync) and tell the observers; gradients and optimizer state are pruned again before the
-        step."""
-        stats = install(self.sparse_params, masks, self.hooks)
-        self.last_update, self.unlogged_update = stats, True
-        self.mask_targets.update({n: targets[n] for n in masks})
-        self.hooks.changed()
-        self.observers.emit_sparsity(self, self.sparse_params, self.mask_target)
-        self.observers.emit_update(self, self.step, stats)
+        state = self.mask_state
+        new = rule(name, state.rule_param(name), state.rule_view(name), target)
+        return state.stored(name, new)
 
     def generator(self, name: str, device: torch.device) -> torch.Generator:
         """The random stream of the parameter ``name`` at this step, on ``device``: the same on
         every rank and after a resume (`rng.generator_for`)."""
-        return generator_for(self._applied_seed(), self.step, name, device)
-
-    def _applied_seed(self) -> int:
-        """The seed ``apply`` resolved (``seed=None``: the experiment's)."""
-        if self.seed is None:
-            raise RuntimeError(
-                f"{self.name} has no seed yet (seed=None is resolved by apply(model)); apply the "
-                "algorithm to the model before drawing masks"
-            )
-        return self.seed
-
-    def _follow_mask(self, name: str) -> None:
-        """The module let ``name``'s mask go (`StepHooks.on_mask_dropped`): the last update's
-        figures of ``name`` follow the mask that replaced it to its device (a move), so nothing
-        stays behind on the old one."""
-        sp, stats = self.sparse_params.get(name), self.last_update.get(name)
-        mask = sp.module._buffers.get(sp.mask_name) if sp is not None else None
-        if stats and mask is not None:
-            self.last_update[name] = {k: v.to(mask.device) for k, v in stats.items()}
+        return generator_for(self.mask_state.applied_seed(), self.step, name, device)
 
     # ------------------------------------------------------------------ reports and observers
     def mask_target(self, name: str) -> float:
@@ -480,13 +371,6 @@ class SparsityAlgorithm(ABC):
     def overall_sparsity(self) -> tuple[float, torch.Tensor]:
         """(target, actual) over the sparse parameters, weighted by size (actual: 0-d tensor)."""
         return report.overall_sparsity(self.sparse_params, self.mask_target)
-
-    @property
-    def ever_active(self) -> dict[str, torch.Tensor]:
-        """``{name: bool mask}`` of the positions ever kept (ITOP; empty unless ``track_itop``):
-        ``<param>_ever_active`` buffers, so they follow the model's device."""
-        found = ((name, sp.ever_active) for name, sp in self.sparse_params.items())
-        return {name: ever for name, ever in found if ever is not None}
 
     def itop_rate(self) -> torch.Tensor:
         """Share of the sparse weights ever active (0-d tensor; no host sync)."""
@@ -519,30 +403,17 @@ class SparsityAlgorithm(ABC):
         (`saved_state`). ``"masks"``: ``{name: uint8[ceil(numel / 8)]}`` on the CPU, shapes in
         ``"params"`` (a sharded mask is all-gathered: call it on every rank). The mask buffers
         are non-persistent, so ``model.state_dict()`` holds the pruned weights only."""
-        return saved_state.pack_state(
+        return self.mask_state.pack(
             step=self.step,
             last_update_step=self.last_update_step,
-            seed=self.seed,
             kind=type(self).__name__.lower(),
-            masks={name: sp.mask for name, sp in self.sparse_params.items()},
             config=self.config(),
-            removed=self.removed,
-            ever_active=self.ever_active,
         )
 
     def check_state_dict(self, state: Any, loading: bool = False) -> None:
         """Raise unless ``state`` can be loaded (`saved_state.check_state`); changes nothing, and
         works before ``apply`` (masks are then checked against the shapes the state records)."""
-        expected = saved_state.Expected(
-            owner=self.name,
-            kind=type(self).__name__.lower(),
-            shapes={name: list(sp.mask.shape) for name, sp in self.sparse_params.items()},
-            config=self.config(),
-            seed=self.seed,
-            seed_given=self.seed_given,
-            ever_active={name: tuple(m.shape) for name, m in self.ever_active.items()},
-            applied=self.root is not None,
-        )
+        expected = self.mask_state.expected(type(self).__name__.lower(), self.config())
         saved_state.check_state(state, expected, self.target_sparsity, loading=loading)
 
     def load_state_dict(self, state: Any) -> None:
@@ -557,26 +428,13 @@ class SparsityAlgorithm(ABC):
             state, list(self.sparse_params), self.target_sparsity, self.name
         )
         masks = saved_state.saved_masks(state, self.name)
-        removed = bool(state.get("removed"))
         self.step = state["step"]
         self.last_update_step = state.get("last_update_step", -1)
-        self.seed = state.get("seed", self.seed)
-        saved_state.restore_ever_active_(self.ever_active, saved_state.saved_ever_active(state))
-        unpruned, self.hooks.unpruned = self.hooks.unpruned, {}
-        saved_state.restore_masks_(self.sparse_params, masks, removed, unpruned)
-        self.mask_targets.update(targets)
-        self.hooks.adopt_masks()  # written: they are the masks, even after ``to_empty``
-        self.hooks.changed()
+        self.mask_state.restore(state, masks, targets)
 
     def remove(self) -> None:
         """Remove masks and every hook: the model and optimizers train dense from here on."""
-        self.hooks.remove()
-        for sp in self.sparse_params.values():
-            sp.remove_mask()
-        applied.forget(self.root, self)
-        ddp_ignore.restore_ignored(self.root, self.name)
-        self.sparse_params.clear()
-        self.removed = True
+        self.mask_state.remove()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, params={len(self.sparse_params)})"

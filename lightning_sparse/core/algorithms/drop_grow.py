@@ -94,7 +94,8 @@ class DropAndGrow(SparsityAlgorithm):
         per update."""
         names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
         groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
-        stacks = [torch.stack([self.shaper.shape(self.rule_view(n)) for n in g]) for g in groups]
+        view = self.mask_state.rule_view  # each mask as the rule sees it (whole, [out, in])
+        stacks = [torch.stack([self.shaper.shape(view(n)) for n in g]) for g in groups]
         masks: dict[str, torch.Tensor] = {}
         for group, stack, (lows, highs) in zip(
             groups, stacks, _row_count_ranges(stacks), strict=True

@@ -111,7 +111,8 @@ class Group:
             raise RuntimeError("Group is empty: add (filter, algorithm) pairs before applying it")
         if self.root is not None:
             raise RuntimeError(f"{self.name} is already applied to a model")
-        transaction(obj, list(self), self.route(obj))  # the members' phases, all or nothing
+        # The members' apply phases (their masks' `MaskState`), all or nothing.
+        transaction(obj, [algorithm.mask_state for algorithm in self], self.route(obj))
         self.root = obj
 
     def route(self, root: nn.Module) -> list[list[Candidate]]:

@@ -24,6 +24,7 @@ built.
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from collections import OrderedDict
@@ -115,7 +116,7 @@ class MaskState:
         self.removed = False
         self.hooks = StepHooks(
             self.sparse_params,
-            lambda: owner.dense_grad_needed,
+            functools.partial(getattr, owner, "dense_grad_needed"),  # picklable (ddp_spawn)
             owner.initial_mask,
             legacy.take_mask_entries,  # an earlier version's model state dicts
         )

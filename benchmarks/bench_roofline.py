@@ -16,9 +16,13 @@ This script measures, in one process, on this machine:
   pass      dense (vendor BLAS)    device (native CSR kernels, compact)
   ========  =====================  ======================================
   forward   ``X @ W^T``            SpMM over ``W``'s CSR
-  input     ``dY @ W``             scatter along ``W``'s CSR (``spmm_t``)
+  input     ``dY @ W``             scatter along ``W``'s CSR (*)
   weight    ``dY^T @ X``           SDDMM at the kept positions (values)
   ========  =====================  ======================================
+
+(*) ``spmm_t``: the accumulator whole or by L1 column blocks, whichever
+`kernel_variants.spmm_t` measures faster for the shape (as the device runs it); the choice is
+printed at the end.
 
 For each: useful FLOPs (dense ``2 N out in``; sparse ``2 N nnz``), the minimum bytes (every
 operand read once, the result written once: values + column indices (16-bit) + row pointers
@@ -40,7 +44,7 @@ from collections.abc import Callable
 import torch
 from _harness import load_average, machine_facts
 
-from lightning_sparse.wse import CSRWeight, compiled_available, native
+from lightning_sparse.wse import CSRWeight, compiled_available, kernel_variants, native
 
 MODELS = {
     "51m": ((512,), ((1024, 1024), (2816, 1024), (1024, 2816))),
@@ -107,7 +111,7 @@ def layer_rows(
         ("forward", lambda: torch.mm(x, weight.t(), out=y),
          lambda: native.spmm(crow, col, values, x, None, y)),
         ("input grad", lambda: torch.mm(grad_y, weight, out=grad_x),
-         lambda: native.spmm_t(crow, col, values, grad_y, grad_x)),
+         lambda: kernel_variants.spmm_t(crow, col, values, grad_y, grad_x)),
         ("weight grad", lambda: torch.mm(grad_y.t(), x, out=grad_w),
          lambda: native.sddmm(crow, col, grad_y, x, grad_values)),
     )  # fmt: skip
@@ -170,6 +174,14 @@ def main() -> None:
         "\nroof = min(compute roof, FLOP/B x memory roof) at the minimum traffic; 'of roof' is "
         "the achieved share. dense/sparse > 1: the sparse kernel is faster than the BLAS."
     )
+    budgets = native.tile_budgets()
+    print(
+        f"tile budgets (this machine's caches): SpMM {budgets.spmm >> 10} KB, SDDMM "
+        f"{budgets.sddmm >> 10} KB, input-gradient block {budgets.scatter_block / 1024:.1f} KB"
+    )
+    for key, block in kernel_variants.variant_choices().items():
+        layout = "column blocks" if block else "whole"
+        print(f"input gradient {key[2][0]}x{key[2][1]}, density bucket {key[3]}: {layout}")
     print(f"load average after the run: {load_average()}")
 
 

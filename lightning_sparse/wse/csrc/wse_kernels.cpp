@@ -55,9 +55,17 @@ template <typename S> inline S horizontal_sum(Vec<S> v) {
   return s;
 }
 
-// out[0..3] = horizontal sums of a0..a3, sharing shuffles across the four (a transpose-reduce).
-template <typename S>
+// out[0..3] += horizontal sums of a0..a3 (= with Store), sharing shuffles across the four (a
+// transpose-reduce).
+template <typename S, bool Store = false>
 inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
+  const auto put = [out](int j, S sum) {
+    if constexpr (Store) {
+      out[j] = sum;
+    } else {
+      out[j] += sum;
+    }
+  };
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
   if constexpr (kLanes<S> == 16) {
     // Halves of (a0, a1) and of (a2, a3) added: 8 partial sums of each input.
@@ -79,7 +87,7 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
         s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     const Vec<S> u =
         t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    out[0] += u[0]; out[1] += u[4]; out[2] += u[8]; out[3] += u[12];
+    put(0, u[0]); put(1, u[4]); put(2, u[8]); put(3, u[12]);
     return;
   } else if constexpr (kLanes<S> == 8) {
     const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -89,7 +97,7 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
     const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 4, 5, 8, 9, 12, 13) +
                      __builtin_shufflevector(s01, s23, 2, 3, 6, 7, 10, 11, 14, 15);
     const Vec<S> u = s + __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
-    out[0] += u[0]; out[1] += u[2]; out[2] += u[4]; out[3] += u[6];
+    put(0, u[0]); put(1, u[2]); put(2, u[4]); put(3, u[6]);
     return;
   } else if constexpr (kLanes<S> == 4) {
     const Vec<S> s01 =
@@ -98,12 +106,12 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
         __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
     const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) +
                      __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
-    out[0] += s[0]; out[1] += s[1]; out[2] += s[2]; out[3] += s[3];
+    put(0, s[0]); put(1, s[1]); put(2, s[2]); put(3, s[3]);
     return;
   }
 #endif
-  out[0] += horizontal_sum<S>(a0); out[1] += horizontal_sum<S>(a1);
-  out[2] += horizontal_sum<S>(a2); out[3] += horizontal_sum<S>(a3);
+  put(0, horizontal_sum<S>(a0)); put(1, horizontal_sum<S>(a1));
+  put(2, horizontal_sum<S>(a2)); put(3, horizontal_sum<S>(a3));
 }
 
 struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
@@ -457,8 +465,10 @@ int spmm_t(const int32_t* crow, const I* col, const S* val, const S* G, int64_t 
 
 // --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
 
-// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1).
-template <typename S, typename I, int NV>
+// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1)
+// (= with Store: a range's first tile writes its partial sums, no zeroing pass before it; at
+// 1024x2816, 90%, the passes over the partial sums were a fifth of the kernel).
+template <typename S, typename I, int NV, bool Store = false>
 void sddmm_rows(const int32_t* crow, const I* col, const S* gt, const S* xt, int64_t i0,
                 int64_t i1, S* vals) {
   constexpr int L = kLanes<S>;
@@ -481,13 +491,17 @@ void sddmm_rows(const int32_t* crow, const I* col, const S* gt, const S* xt, int
         a2 += g[v] * load<S>(x2 + v * L);
         a3 += g[v] * load<S>(x3 + v * L);
       }
-      reduce4<S>(a0, a1, a2, a3, vals + k);
+      reduce4<S, Store>(a0, a1, a2, a3, vals + k);
     }
     for (; k < end; ++k) {
       const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
       Vec<S> a0{};
       for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
-      vals[k] += horizontal_sum<S>(a0);
+      if constexpr (Store) {
+        vals[k] = horizontal_sum<S>(a0);
+      } else {
+        vals[k] += horizontal_sum<S>(a0);
+      }
     }
   }
 }
@@ -525,15 +539,20 @@ int sddmm(const int32_t* crow, const I* col, const S* G, const S* X, int64_t N, 
 #pragma omp for schedule(dynamic, 1)
       for (int p = 0; p < ranges; ++p) {
         S* vals = partial + nnz * p;
-        std::memset(vals, 0, sizeof(S) * nnz);
-        for (int64_t tile = tiles * p / ranges; tile < tiles * (p + 1) / ranges; ++tile) {
+        const int64_t first = tiles * p / ranges, last = tiles * (p + 1) / ranges;
+        if (first == last) std::memset(vals, 0, sizeof(S) * nnz);  // no tokens (N = 0)
+        for (int64_t tile = first; tile < last; ++tile) {
           const int64_t n0 = tile * T_cap;
           const int64_t tn = std::min(T_cap, N - n0);
           with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
             constexpr int T = decltype(nv)::value * kLanes<S>;
             transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
             transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-            sddmm_rows<S, I, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+            if (tile == first) {
+              sddmm_rows<S, I, decltype(nv)::value, true>(crow, col, gt, xt, 0, M, vals);
+            } else {
+              sddmm_rows<S, I, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+            }
           });
         }
       }

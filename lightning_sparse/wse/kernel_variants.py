@@ -4,8 +4,8 @@ The input-gradient kernel (`native.spmm_t`) scatters every kept weight into an a
 the token tile's features; run whole, its read-modify-writes go to L2 once the tile outgrows
 L1, and run by column blocks (`policy.tile_budgets`'s ``scatter_block`` of L1) each block's pass
 over the rows costs a resumed row. Which wins depends on the core (its L2's bandwidth against
-its branch predictor) and on the shape (kept weights per row and block), not on the caches'
-sizes alone: on the Intel Xeon the blocks won at 90% sparsity and lost at 95% on 1024x1024.
+the cost of resuming a row) and on the shape (kept weights per row and block), not on the
+caches' sizes alone (benchmarks/README.md, "Roofline per layer", has the figures).
 Both sum every output in the same order, so the choice changes time only: `spmm_t` times both on
 the first call of each `policy.variant_key` (on the call's own operands, interleaved, the best of
 ``TUNED["variant_rounds"]`` each) and keeps the faster for the process.

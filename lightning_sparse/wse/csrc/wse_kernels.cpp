@@ -46,8 +46,8 @@ template <typename S> inline Vec<S> load(const S* p) {
 }
 template <typename S> inline void store(S* p, Vec<S> v) { std::memcpy(p, &v, sizeof v); }
 // Every lane = x. Written x - 0 (exact for every x), which the compiler folds into one broadcast
-// load; `Vec{} + x` (not an identity for x = -0) cost an add and a register broadcast on the FMA
-// port per kept weight: 7-17% of the SpMM (benchmarks/README.md, "Figures behind the code").
+// load; `Vec{} + x` (not an identity for x = -0) costs an add and a register broadcast on the FMA
+// port per kept weight (benchmarks/README.md, "Figures behind the code").
 template <typename S> inline Vec<S> splat(S x) { return x - Vec<S>{}; }
 template <typename S> inline S horizontal_sum(Vec<S> v) {
   S s = 0;
@@ -466,8 +466,9 @@ int spmm_t(const int32_t* crow, const I* col, const S* val, const S* G, int64_t 
 // --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
 
 // vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1)
-// (= with Store: a range's first tile writes its partial sums, no zeroing pass before it; at
-// 1024x2816, 90%, the passes over the partial sums were a fifth of the kernel).
+// (= with Store: a range's first tile writes its partial sums, no zeroing pass before it; the
+// kept values' partial sums are read and written once per tile, memory traffic that grows with
+// the layer's kept count: benchmarks/README.md, "Figures behind the code").
 template <typename S, typename I, int NV, bool Store = false>
 void sddmm_rows(const int32_t* crow, const I* col, const S* gt, const S* xt, int64_t i0,
                 int64_t i1, S* vals) {

@@ -16,9 +16,13 @@ This script measures, in one process, on this machine:
   pass      dense (vendor BLAS)    device (native CSR kernels, compact)
   ========  =====================  ======================================
   forward   ``X @ W^T``            SpMM over ``W``'s CSR
-  input     ``dY @ W``             scatter along ``W``'s CSR (``spmm_t``)
+  input     ``dY @ W``             scatter along ``W``'s CSR (*)
   weight    ``dY^T @ X``           SDDMM at the kept positions (values)
   ========  =====================  ======================================
+
+(*) ``spmm_t``: the accumulator whole or by L1 column blocks, whichever
+`kernel_variants.spmm_t` measures faster for the shape (as the device runs it); the choice is
+printed at the end.
 
 For each: useful FLOPs (dense ``2 N out in``; sparse ``2 N nnz``), the minimum bytes (every
 operand read once, the result written once: values + column indices (16-bit) + row pointers
@@ -26,21 +30,32 @@ for the sparse operand), their ratio (arithmetic intensity, FLOP/byte), the roof
 (``min(compute roof, intensity x memory roof)``), the achieved GFLOP/s and its share of the roof,
 and the time ratio dense / sparse (> 1: the kernel beats the BLAS).
 
+``--ceilings`` adds what this core sustains for the kernels' inner loops alone
+(``benchmarks/ceilings.cpp``, built with the kernels' flags): the FMA peak on registers; one
+vector load per FMA streamed from L1 (the least a kernel that loads its input per FMA needs);
+the forward's gather (per kept weight an index, a value and two vector loads at a random row of
+the tile: the SDDMM reads the same) and the input gradient's scatter (a load, an FMA and a store
+per vector), each over tiles sized for L1 and for L2.
+
     python benchmarks/bench_roofline.py [--model 51m|recipe] [--sparsities 0.9,0.95]
-        [--threads 2] [--repeats 15]
+        [--threads 2] [--repeats 15] [--ceilings]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from _harness import load_average, machine_facts
 
-from lightning_sparse.wse import CSRWeight, compiled_available, native
+from lightning_sparse.wse import CSRWeight, compiled_available, kernel_variants, native
 
 MODELS = {
     "51m": ((512,), ((1024, 1024), (2816, 1024), (1024, 2816))),
@@ -84,6 +99,38 @@ def memory_roof(repeats: int) -> float:
     return 12 * n / _best_s(lambda: torch.add(a, b, alpha=0.5, out=c), repeats) / 1e9
 
 
+def ceilings(threads: int, peak: float) -> None:
+    """Builds ``ceilings.cpp`` and prints each inner-loop probe's GFLOP/s on ``threads`` threads
+    and its share of the compute roof ``peak``."""
+    source = Path(__file__).with_name("ceilings.cpp")
+    compiler = subprocess.run(["c++", "--version"], capture_output=True, check=False)
+    if compiler.returncode != 0:
+        print("ceilings: no C++ compiler")
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        built = Path(folder) / "ceilings.so"
+        flags = [f for f in native._CXX_FLAGS]  # the kernels' own flags
+        subprocess.run(["c++", *flags, str(source), "-o", str(built)], check=True)
+        lib = ctypes.CDLL(str(built))
+        probe = lib.ls_ceiling
+        probe.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int]
+        probe.restype = ctypes.c_double
+        rows_l1, rows_l2 = 128, 2816  # two 64-byte vectors a row: 16 KB, 352 KB
+        print(f"\nceilings of the kernels' inner loops ({threads} threads; share of the roof):")
+        for name, kind, rows in (
+            ("FMA peak (registers)", 0, 0),
+            ("1 vector load per FMA, L1 stream", 3, rows_l1),
+            ("gather (forward, SDDMM), L1 tile 16 KB", 1, rows_l1),
+            ("gather, L2 tile 128 KB (K = 1024)", 1, 1024),
+            ("gather, L2 tile 352 KB (K = 2816)", 1, rows_l2),
+            ("scatter (input gradient), L1 16 KB", 2, rows_l1),
+            ("scatter, L2 128 KB", 2, 1024),
+            ("scatter, L2 352 KB", 2, rows_l2),
+        ):
+            gflops = probe(kind, rows, threads)
+            print(f"  {name:<42} {gflops:7.1f} GFLOP/s {gflops / peak:6.0%}")
+
+
 def layer_rows(
     out_f: int, in_f: int, tokens: int, sparsity: float, repeats: int
 ) -> list[tuple[str, float, float, float, float]]:
@@ -107,7 +154,7 @@ def layer_rows(
         ("forward", lambda: torch.mm(x, weight.t(), out=y),
          lambda: native.spmm(crow, col, values, x, None, y)),
         ("input grad", lambda: torch.mm(grad_y, weight, out=grad_x),
-         lambda: native.spmm_t(crow, col, values, grad_y, grad_x)),
+         lambda: kernel_variants.spmm_t(crow, col, values, grad_y, grad_x)),
         ("weight grad", lambda: torch.mm(grad_y.t(), x, out=grad_w),
          lambda: native.sddmm(crow, col, grad_y, x, grad_values)),
     )  # fmt: skip
@@ -131,6 +178,7 @@ def main() -> None:
     parser.add_argument("--sparsities", default="0.9,0.95")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--ceilings", action="store_true", help="the inner loops' ceilings")
     args = parser.parse_args()
     if not compiled_available():
         raise SystemExit("the native kernels are not available here (no C compiler?)")
@@ -141,6 +189,8 @@ def main() -> None:
         f"roofs: compute {peak:.1f} GFLOP/s (dense matmul 2048^3, the vendor BLAS); memory "
         f"{bandwidth:.1f} GB/s (triad, 64M floats); ridge {peak / bandwidth:.1f} FLOP/byte"
     )
+    if args.ceilings:
+        ceilings(args.threads, peak)
     (tokens,), shapes = MODELS[args.model]
     print(f"\nmodel {args.model}: {tokens} tokens; float32; {args.threads} threads; median of "
           f"{args.repeats}\n")  # fmt: skip
@@ -170,6 +220,14 @@ def main() -> None:
         "\nroof = min(compute roof, FLOP/B x memory roof) at the minimum traffic; 'of roof' is "
         "the achieved share. dense/sparse > 1: the sparse kernel is faster than the BLAS."
     )
+    budgets = native.tile_budgets()
+    print(
+        f"tile budgets (this machine's caches): SpMM {budgets.spmm >> 10} KB, SDDMM "
+        f"{budgets.sddmm >> 10} KB, input-gradient block {budgets.scatter_block / 1024:.1f} KB"
+    )
+    for key, block in kernel_variants.variant_choices().items():
+        layout = "column blocks" if block else "whole"
+        print(f"input gradient {key[2][0]}x{key[2][1]}, density bucket {key[3]}: {layout}")
     print(f"load average after the run: {load_average()}")
 
 

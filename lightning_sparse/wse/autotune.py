@@ -17,7 +17,6 @@ import functools
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_sparse.wse import native, policy
+from lightning_sparse.wse.caches import cache_sizes
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.ops import inference_runner, run_compact_path, run_path
 from lightning_sparse.wse.policy import PATHS, TUNED
@@ -193,23 +193,9 @@ def _time_once(
     return time.perf_counter() - start
 
 
-@functools.cache
 def _cache_bytes() -> int | None:
     """Bytes of this machine's last-level CPU cache (sysfs), None where unknown."""
-    best: tuple[int, int] | None = None
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((index / "level").read_text())
-            size = (index / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        number = size.rstrip("KMG")
-        if not number.isdigit():
-            continue
-        found = (level, int(number) * units.get(size[-1], 1))
-        best = found if best is None or found > best else best
-    return None if best is None else best[1]
+    return cache_sizes().last_level
 
 
 def _synchronize(device: torch.device) -> None:

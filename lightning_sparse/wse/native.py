@@ -8,7 +8,9 @@ CPU, so a changed source or another machine builds anew; concurrent builders (DD
 workers) rename atomically, never loading a partial file.
 
 Every call takes contiguous CPU tensors and passes raw pointers; shapes are the caller's
-contract (`ops.py` checks them). ``LIGHTNING_SPARSE_WSE_COMPILE=0`` (read once per process)
+contract (`ops.py` checks them). The kernels' tiles are cut to this machine's caches
+(`tile_budgets`: `policy.tile_budgets` of the sizes `caches.py` reads from sysfs), set once at
+load. ``LIGHTNING_SPARSE_WSE_COMPILE=0`` (read once per process)
 never builds the library; the "compiled" path is then absent (`unavailable_reason` says why).
 """
 
@@ -28,7 +30,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from lightning_sparse.wse.policy import TUNED, narrow_columns
+from lightning_sparse.wse import policy
+from lightning_sparse.wse.caches import cache_sizes
+from lightning_sparse.wse.policy import TileBudgets, narrow_columns
 from lightning_sparse.wse.threads import kernel_threads
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "set_tile_budgets",
     "spmm",
     "spmm_t",
+    "tile_budgets",
     "unavailable_reason",
 ]
 
@@ -65,13 +70,21 @@ def library() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"building the native kernels failed: {error}"
     _declare(lib)
-    set_tile_budgets(int(TUNED["spmm_tile_bytes"].value), int(TUNED["sddmm_tile_bytes"].value), lib)
+    budgets = tile_budgets()
+    set_tile_budgets(budgets.spmm, budgets.sddmm, lib)
     return lib, None
 
 
+@functools.cache
+def tile_budgets() -> TileBudgets:
+    """This machine's tile budgets: `policy.tile_budgets` of cpu0's cache sizes (sysfs)."""
+    sizes = cache_sizes()
+    return policy.tile_budgets(sizes.l1d, sizes.l2)
+
+
 def set_tile_budgets(spmm: int, sddmm: int, lib: ctypes.CDLL | None = None) -> None:
-    """Bytes of L2 the matmul (SpMM) and SDDMM kernels size their transposed token tiles for
-    (the defaults are `policy.TUNED`'s ``spmm_tile_bytes`` / ``sddmm_tile_bytes``)."""
+    """Bytes the matmul (SpMM) and SDDMM kernels size their transposed token tiles for (set at
+    load from `tile_budgets`; tests set others to reach every tiling path)."""
     (lib or _loaded()).ls_set_tile_budgets(spmm, sddmm)
 
 
@@ -95,6 +108,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                 function_ = getattr(lib, f"{name}_{kinds}")
                 function_.argtypes = [pointer] * 4 + [size] * 3 + [pointer, integer]
                 function_.restype = integer
+            # spmm_t's last argument: the accumulator's column block in bytes (0: whole).
+            getattr(lib, f"ls_spmm_t_{kinds}").argtypes = (
+                [pointer] * 4 + [size] * 3 + [pointer, integer, size]
+            )
             for name in ("ls_gather", "ls_gather_t", "ls_scatter"):
                 function_ = getattr(lib, f"{name}_{kinds}")
                 function_.argtypes = [pointer] * 3 + [size] * 2 + [pointer, integer]
@@ -233,12 +250,17 @@ def spmm(
     )  # fmt: skip
 
 
-def spmm_t(crow: Tensor, col: Tensor, values: Tensor, grad_y2: Tensor, out: Tensor) -> None:
+def spmm_t(
+    crow: Tensor, col: Tensor, values: Tensor, grad_y2: Tensor, out: Tensor, block_bytes: int = 0
+) -> None:
     """``out [N, K] = grad_y2 [N, M] @ S`` for ``S [M, K]`` in CSR (the input gradient of
-    ``x2 @ S^T``, on S's own structure); all contiguous."""
+    ``x2 @ S^T``, on S's own structure); all contiguous. ``block_bytes`` > 0 runs the
+    accumulator by column blocks of that size (`tile_budgets().scatter_block` fits L1): the same
+    bits, another speed (`kernel_variants.spmm_t` measures which is faster per shape)."""
     status = function("ls_spmm_t", grad_y2.dtype, col)(
         crow.data_ptr(), col.data_ptr(), values.data_ptr(), grad_y2.data_ptr(),
         grad_y2.shape[0], grad_y2.shape[1], out.shape[1], out.data_ptr(), kernel_threads(),
+        block_bytes,
     )  # fmt: skip
     if status != 0:
         raise MemoryError("the native input-gradient kernel could not allocate its work buffers")

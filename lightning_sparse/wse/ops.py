@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from lightning_sparse.core.masking import zero_pruned_
-from lightning_sparse.wse import native
+from lightning_sparse.wse import kernel_variants, native
 from lightning_sparse.wse.csr import CSRWeight
 from lightning_sparse.wse.threads import kernel_threads
 
@@ -465,7 +465,7 @@ def _compiled_matmul(
 
 def _compiled_matmul_t(csr: CSRWeight, values: Tensor, grad_y2: Tensor) -> Tensor:
     out = grad_y2.new_empty(grad_y2.shape[0], csr.shape[1])
-    native.spmm_t(csr.crow_indices, csr.col_indices, values, grad_y2, out)
+    kernel_variants.spmm_t(csr.crow_indices, csr.col_indices, values, grad_y2, out)
     return out
 
 

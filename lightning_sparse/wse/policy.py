@@ -19,9 +19,12 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
+    "DEFAULT_L1D",
+    "DEFAULT_L2",
     "PATHS",
     "TUNED",
     "U16_COLUMNS",
+    "TileBudgets",
     "Tuned",
     "autotune_key",
     "choose_path",
@@ -31,8 +34,10 @@ __all__ = [
     "kernel_threads",
     "margin",
     "narrow_columns",
+    "tile_budgets",
     "token_bucket_of",
     "unsupported_reason",
+    "variant_key",
 ]
 
 PATHS = ("compiled", "torch", "dense")
@@ -92,22 +97,26 @@ TUNED: dict[str, Tuned] = {
         "a sparse path within this share of dense's best time is re-measured before the choice: "
         "5 disturbed rounds had picked compiled at 0.91x for 4096x1024 at 70%",
     ),
-    "spmm_tile_bytes": Tuned(
-        512 << 10,
+    "tile_l2_share": Tuned(
+        0.5,
         "kernel timing of the 51M model's layers (1024x1024, 2816x1024, 1024x2816 at 90% and 95%, "
-        "512 tokens, 1 thread, builds interleaved), 2-core AMD EPYC VM, 2026-11-27 (load 1.3-1.6: "
-        "another process on the other core)",
-        "the SpMM kernel's transposed token tile (features x tokens) is sized for this many "
-        "bytes, at most two vectors of tokens (the kernel's kSpmmVectors): two vectors at "
-        "K = 2816 (360 KB) run 84-92 GFLOP/s against 75-80 with the one that 128 KB allowed; "
-        "at K = 1024 two vectors (128 KB) beat four and eight (83-86); an L1-blocked variant "
-        "(32K column blocks) was slower (2026-11-25)",
+        "512 tokens, 1 thread): 2-core AMD EPYC VM (1 MB L2), 2026-11-25/27; 2-core Intel Xeon "
+        "VM (2 MB L2), 2026-11-28",
+        "the SpMM and SDDMM kernels' transposed token tiles (features x tokens) are sized for "
+        "this share of L2 (`tile_budgets`): 512 KB was the best constant on the AMD EPYC "
+        "(below two vectors of tokens the SDDMM's dot products drop from 40 to 30 GFLOP/s; two "
+        "vectors of the SpMM at K = 2816 ran 84-92 against 75-80 with one); on the Intel Xeon "
+        "the SDDMM at K = 2816 runs 51.8 GFLOP/s with 1 MB (four vectors) against 47.1 with "
+        "512 KB (two); the SpMM is within 5% from 128 KB to 2 MB there",
     ),
-    "sddmm_tile_bytes": Tuned(
-        512 << 10,
-        "the same kernel timing, 2026-11-25",
-        "the SDDMM kernel's input tile: below two vectors of tokens (K=2752 under 512K) its "
-        "four-way dot products drop from 40 to 30 GFLOP/s",
+    "scatter_l1_share": Tuned(
+        5 / 6,
+        "the input-gradient kernel alone (the 51M model's layers, 512 tokens, 1 thread), "
+        "2-core Intel Xeon VM (48 KB L1d), 2026-11-28",
+        "the input gradient's accumulator, run by column blocks, takes this share of L1d per "
+        "block (`tile_budgets`): 40 KB blocks ran 1024x2816 at 90% at 44-47 GFLOP/s against "
+        "30 whole (accumulator in L2) and 41-42 with 32 KB; 24 KB blocks lost (short rows per "
+        "block); whether the blocks run at all is measured per shape (`kernel_variants.py`)",
     ),
     "busy_core": Tuned(
         0.5,
@@ -117,6 +126,12 @@ TUNED: dict[str, Tuned] = {
         "sharing it stalls every parallel region it is in",
     ),
     "close_repeats": Tuned(10, "design", "extra interleaved rounds for a close call"),
+    "variant_rounds": Tuned(
+        2,
+        "design",
+        "timed runs of each kernel variant on its first call (`kernel_variants.py`); the best "
+        "of them is its score",
+    ),
     "repeats": Tuned(5, "design", "timed rounds per candidate (after one warm-up round)"),
     "few_tokens": Tuned(16, "design", "calls of at most this many tokens count as decode"),
     "runner_calls": Tuned(
@@ -216,6 +231,50 @@ def decode_stream_copies(
     stream = TUNED["decode_stream_caches"].value * (cache_bytes or 32 << 20)
     copies = max(math.ceil(stream / max(layer_bytes, 1)), 1)
     return None if copies > TUNED["decode_stream_copies"].value else copies
+
+
+DEFAULT_L1D = 32 << 10
+"""L1 data cache assumed where sysfs gives none (an AMD EPYC's, Zen 4)."""
+DEFAULT_L2 = 1 << 20
+"""L2 assumed where sysfs gives none (the same)."""
+
+
+@dataclass(frozen=True)
+class TileBudgets:
+    """Bytes the native kernels cut their tiles to (`native.py` sets them at load).
+
+    Attributes:
+        spmm: the forward's transposed input tile (features x tokens).
+        sddmm: the weight gradient's transposed input tile.
+        scatter_block: a column block of the input gradient's accumulator (features x tokens).
+    """
+
+    spmm: int
+    sddmm: int
+    scatter_block: int
+
+
+def tile_budgets(l1d: int | None, l2: int | None) -> TileBudgets:
+    """The kernels' tile budgets for a core with ``l1d`` bytes of L1 data cache and ``l2`` of
+    L2 (None: unknown, `DEFAULT_L1D` / `DEFAULT_L2`): the transposed input tiles take
+    ``TUNED["tile_l2_share"]`` of L2, an accumulator block ``TUNED["scatter_l1_share"]`` of
+    L1d. Same sizes, same tiles, whichever CPU: 512 KB and 26.7 KB for 1 MB and 32 KB caches."""
+    l2_bytes = l2 if l2 else DEFAULT_L2
+    l1_bytes = l1d if l1d else DEFAULT_L1D
+    tile = int(TUNED["tile_l2_share"].value * l2_bytes)
+    return TileBudgets(tile, tile, int(TUNED["scatter_l1_share"].value * l1_bytes))
+
+
+def variant_key(
+    name: str, dtype: torch.dtype, shape: tuple[int, int], nnz: int, tokens: int
+) -> tuple:
+    """The key a kernel variant's measured choice (`kernel_variants.py`) is cached under:
+    the kernel, dtype and shape, quarter-octave density and power-of-two token buckets (as
+    `autotune_key`), so a GMP schedule or a short last batch reuses it."""
+    _, _, _, density_bucket, token_bucket, _, _ = autotune_key(
+        "cpu", dtype, shape, nnz, tokens, False, "masked"
+    )
+    return name, dtype, shape, density_bucket, token_bucket
 
 
 def kernel_threads(requested: int, cpus: int, others_busy: float | None) -> int:

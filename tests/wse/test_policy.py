@@ -35,3 +35,27 @@ def test_decode_rule_is_for_few_token_inference_only() -> None:
     assert not policy.decode_forces_dense((1, 64), 64, 4, few + 1, False)
     assert not policy.decode_forces_dense((1, 64), 64, 4, 1, True)
     assert policy.decode_forces_dense((1, 64), 64, 4, few, False)
+
+
+@pytest.mark.parametrize(("l1d", "l2", "expected"), [
+    (48 << 10, 2 << 20, (1 << 20, 1 << 20, 40 << 10)),    # the Intel Xeon (Sapphire Rapids)
+    (32 << 10, 1 << 20, (512 << 10, 512 << 10, 27306)),   # the AMD EPYC (Zen 4): the old constants
+    (None, None, (512 << 10, 512 << 10, 27306)),          # sysfs absent: the same defaults
+    (64 << 10, None, (512 << 10, 512 << 10, 54613)),      # one size known, the other defaulted
+])  # fmt: skip
+def test_tile_budgets_follow_the_cache_sizes(
+    l1d: int | None, l2: int | None, expected: tuple[int, int, int]
+) -> None:
+    """Half of L2 for the transposed input tiles, five sixths of L1d for an accumulator block."""
+    budgets = policy.tile_budgets(l1d, l2)
+    assert (budgets.spmm, budgets.sddmm, budgets.scatter_block) == expected
+
+
+def test_variant_key_buckets_density_and_tokens_as_autotune() -> None:
+    import torch
+
+    key = policy.variant_key("spmm_t", torch.float32, (64, 96), 600, 500)
+    assert key == policy.variant_key("spmm_t", torch.float32, (64, 96), 610, 512)
+    assert key != policy.variant_key("spmm_t", torch.float32, (64, 96), 600, 513)
+    assert key != policy.variant_key("spmm_t", torch.float64, (64, 96), 600, 500)
+    assert key[4] == 512

@@ -649,12 +649,16 @@ def test_load_monitor_counts_other_processes_busy_cores(
 
 
 # --- The native kernels' tiling paths, one by one -------------------------------------------
-# Tile budgets small enough for one vector of tokens per tile in every kernel (4 KB), and the
-# defaults (two vectors in the SpMM, four in the SDDMM at 1100 features). Shapes are not
-# multiples of the vector width (16 floats, 8 doubles), the 32-feature transpose block or the
-# tile; tokens cover one partial vector, a tile and a partial last tile, and the few-token path
-# where threads split the rows of each tile.
-KERNEL_BUDGETS = {"small_tiles": (4 << 10, 4 << 10), "defaults": None}
+# Tile budgets small enough for one vector of tokens per tile in every kernel (4 KB), and this
+# machine's (`native.tile_budgets`: two vectors in the SpMM, four or eight in the SDDMM at 1100
+# features). Shapes are not multiples of the vector width (16 floats, 8 doubles), the 32-feature
+# transpose block or the tile; tokens cover one partial vector, a tile and a partial last tile,
+# and the few-token path where threads split the rows of each tile.
+KERNEL_BUDGETS = {"small_tiles": (4 << 10, 4 << 10), "this_machine": None}
+# The input gradient's accumulator: whole (0); column blocks of 4 KB (32 or 64 features: 1100 is
+# no multiple of either, most rows keep no weight in some block); this machine's L1 block; one
+# block holding every column.
+SCATTER_BLOCKS = (0, 4 << 10, "this_machine", 1 << 30)
 
 
 @pytest.fixture(params=list(KERNEL_BUDGETS))
@@ -662,13 +666,16 @@ def budgets(request: pytest.FixtureRequest):
     if not kernels.compiled_available():
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     chosen = KERNEL_BUDGETS[request.param]
-    defaults = (
-        int(policy.TUNED["spmm_tile_bytes"].value),
-        int(policy.TUNED["sddmm_tile_bytes"].value),
-    )
+    machine = native.tile_budgets()
+    defaults = (machine.spmm, machine.sddmm)
     native.set_tile_budgets(*(chosen or defaults))
     yield request.param
     native.set_tile_budgets(*defaults)
+
+
+def _scatter_blocks() -> list[int]:
+    return [native.tile_budgets().scatter_block if b == "this_machine" else b
+            for b in SCATTER_BLOCKS]  # fmt: skip
 
 
 def _kernel_operands(
@@ -710,8 +717,11 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
 
     y = torch.empty(tokens, out_features, dtype=dtype)
     native.spmm(crow, col, values, x, bias, y)
-    grad_x = torch.full((tokens, in_features), float("nan"), dtype=dtype)
-    native.spmm_t(crow, col, values, grad_y, grad_x)
+    grad_xs = []
+    for block in _scatter_blocks():
+        grad_xs.append(torch.full((tokens, in_features), float("nan"), dtype=dtype))
+        native.spmm_t(crow, col, values, grad_y, grad_xs[-1], block)
+    grad_x = grad_xs[0]
     grad_w = torch.full((out_features, in_features), float("nan"), dtype=dtype)
     native.sddmm(crow, col, grad_y, x, grad_w)
     grad_values = torch.full((csr.nnz,), float("nan"), dtype=dtype)
@@ -725,6 +735,8 @@ def test_native_kernels_equal_masked_dense_on_every_tiling_path(
     torch.testing.assert_close(y.double(), x64 @ w64.t() + bias.double(), **tolerance)
     torch.testing.assert_close(grad_x.double(), g64 @ w64, **tolerance)
     assert not grad_x[:, [1, in_features - 1]].any(), "columns with no kept weight get exact 0"
+    for blocked in grad_xs[1:]:  # column blocks sum every output in the same order: same bits
+        assert torch.equal(blocked, grad_x)
     reference = (g64.t() @ x64) * mask
     torch.testing.assert_close(grad_w.double(), reference, **tolerance)
     assert not grad_w[~mask].any(), "the SDDMM must write exact zeros where pruned"
@@ -773,8 +785,12 @@ def test_native_kernels_without_avx512_equal_masked_dense(march: str, tmp_path: 
             crow, col = csr.crow_indices.data_ptr(), csr.col_indices.data_ptr()
             spmm(crow, col, values.data_ptr(), x.data_ptr(), None, tokens, 1100, 405,
                  y.data_ptr(), threads)  # fmt: skip
+            blocked = torch.empty(tokens, 1100, dtype=dtype)
             assert spmm_t(crow, col, values.data_ptr(), grad_y.data_ptr(), tokens, 405, 1100,
-                          grad_x.data_ptr(), threads) == 0  # fmt: skip
+                          grad_x.data_ptr(), threads, 0) == 0  # fmt: skip
+            assert spmm_t(crow, col, values.data_ptr(), grad_y.data_ptr(), tokens, 405, 1100,
+                          blocked.data_ptr(), threads, 4 << 10) == 0  # fmt: skip
+            assert torch.equal(blocked, grad_x)
             assert sddmm(crow, col, grad_y.data_ptr(), x.data_ptr(), tokens, 1100, 405,
                          grad_values.data_ptr(), threads) == 0  # fmt: skip
             w64, x64, g64 = weight.double(), x.double(), grad_y.double()

@@ -45,15 +45,27 @@ template <typename S> inline Vec<S> load(const S* p) {
   return v;
 }
 template <typename S> inline void store(S* p, Vec<S> v) { std::memcpy(p, &v, sizeof v); }
+// Every lane = x. Written x - 0 (exact for every x), which the compiler folds into one broadcast
+// load; `Vec{} + x` (not an identity for x = -0) costs an add and a register broadcast on the FMA
+// port per kept weight (benchmarks/README.md, "Figures behind the code").
+template <typename S> inline Vec<S> splat(S x) { return x - Vec<S>{}; }
 template <typename S> inline S horizontal_sum(Vec<S> v) {
   S s = 0;
   for (int l = 0; l < kLanes<S>; ++l) s += v[l];
   return s;
 }
 
-// out[0..3] = horizontal sums of a0..a3, sharing shuffles across the four (a transpose-reduce).
-template <typename S>
+// out[0..3] += horizontal sums of a0..a3 (= with Store), sharing shuffles across the four (a
+// transpose-reduce).
+template <typename S, bool Store = false>
 inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
+  const auto put = [out](int j, S sum) {
+    if constexpr (Store) {
+      out[j] = sum;
+    } else {
+      out[j] += sum;
+    }
+  };
 #if defined(__clang__) || __GNUC__ >= 12  // __builtin_shufflevector
   if constexpr (kLanes<S> == 16) {
     // Halves of (a0, a1) and of (a2, a3) added: 8 partial sums of each input.
@@ -75,7 +87,7 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
         s + __builtin_shufflevector(s, s, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     const Vec<S> u =
         t + __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-    out[0] += u[0]; out[1] += u[4]; out[2] += u[8]; out[3] += u[12];
+    put(0, u[0]); put(1, u[4]); put(2, u[8]); put(3, u[12]);
     return;
   } else if constexpr (kLanes<S> == 8) {
     const Vec<S> s01 = __builtin_shufflevector(a0, a1, 0, 1, 2, 3, 8, 9, 10, 11) +
@@ -85,7 +97,7 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
     const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 1, 4, 5, 8, 9, 12, 13) +
                      __builtin_shufflevector(s01, s23, 2, 3, 6, 7, 10, 11, 14, 15);
     const Vec<S> u = s + __builtin_shufflevector(s, s, 1, 0, 3, 2, 5, 4, 7, 6);
-    out[0] += u[0]; out[1] += u[2]; out[2] += u[4]; out[3] += u[6];
+    put(0, u[0]); put(1, u[2]); put(2, u[4]); put(3, u[6]);
     return;
   } else if constexpr (kLanes<S> == 4) {
     const Vec<S> s01 =
@@ -94,12 +106,12 @@ inline void reduce4(Vec<S> a0, Vec<S> a1, Vec<S> a2, Vec<S> a3, S* out) {
         __builtin_shufflevector(a2, a3, 0, 1, 4, 5) + __builtin_shufflevector(a2, a3, 2, 3, 6, 7);
     const Vec<S> s = __builtin_shufflevector(s01, s23, 0, 2, 4, 6) +
                      __builtin_shufflevector(s01, s23, 1, 3, 5, 7);
-    out[0] += s[0]; out[1] += s[1]; out[2] += s[2]; out[3] += s[3];
+    put(0, s[0]); put(1, s[1]); put(2, s[2]); put(3, s[3]);
     return;
   }
 #endif
-  out[0] += horizontal_sum<S>(a0); out[1] += horizontal_sum<S>(a1);
-  out[2] += horizontal_sum<S>(a2); out[3] += horizontal_sum<S>(a3);
+  put(0, horizontal_sum<S>(a0)); put(1, horizontal_sum<S>(a1));
+  put(2, horizontal_sum<S>(a2)); put(3, horizontal_sum<S>(a3));
 }
 
 struct Buffer {  // 64-byte aligned scratch memory, freed on scope exit
@@ -115,11 +127,11 @@ constexpr int64_t kRowBlock = 16;  // output rows per work item (one cache line 
 constexpr int64_t kColBlock = 32;  // features per transpose work item
 // The randomly accessed transposed tile (K features x T tokens) is sized to stay in a share of L2
 // (more tokens per tile amortize each kept weight's index and value loads over more FMAs; a
-// smaller tile stays closer to the core). The SpMM takes at most kSpmmVectors vectors of tokens:
-// on the 51M model's shapes two vectors (32 floats) beat four and eight at K = 1024 and one at
-// K = 2816 (+7-11% where the former 128 KB budget allowed only one). SDDMM streams its gradient
-// tile row by row, so only its X tile counts. Set at load time from the Python side's tuned
-// constants (`ls_set_tile_budgets`, `policy.TUNED`); these are the defaults.
+// smaller tile stays closer to the core). The SpMM takes at most kSpmmVectors vectors of tokens
+// (two beat four and eight on the 51M model's shapes, on the AMD EPYC and the Intel Xeon alike).
+// SDDMM streams its gradient tile row by row, so only its X tile counts. Set at load time from
+// this machine's cache sizes (`ls_set_tile_budgets`, `policy.tile_budgets`); these are the
+// defaults (the rule's values for a 1 MB L2).
 int64_t g_spmm_budget = 512 << 10;
 int64_t g_sddmm_budget = 512 << 10;
 constexpr int kSpmmVectors = 2;
@@ -244,17 +256,17 @@ void spmm_rows(const int32_t* crow, const I* col, const S* val, const S* bias, c
       const int32_t end = crow[i + 1];
       for (; k + U <= end; k += U) {
         for (int u = 0; u < U; ++u) {
-          const Vec<S> w = Vec<S>{} + val[k + u];
+          const Vec<S> w = splat<S>(val[k + u]);
           const S* xr = xt + static_cast<int64_t>(col[k + u]) * T;
           for (int v = 0; v < NV; ++v) acc[u][v] += w * load<S>(xr + v * L);
         }
       }
       for (; k < end; ++k) {
-        const Vec<S> w = Vec<S>{} + val[k];
+        const Vec<S> w = splat<S>(val[k]);
         const S* xr = xt + static_cast<int64_t>(col[k]) * T;
         for (int v = 0; v < NV; ++v) acc[0][v] += w * load<S>(xr + v * L);
       }
-      const Vec<S> b = Vec<S>{} + (bias != nullptr ? bias[i] : S(0));
+      const Vec<S> b = splat<S>(bias != nullptr ? bias[i] : S(0));
       for (int v = 0; v < NV; ++v) {
         for (int u = 1; u < U; ++u) acc[0][v] += acc[u][v];
         store<S>(block + (i - ib) * T + v * L, acc[0][v] + b);
@@ -335,39 +347,46 @@ void spmm(const int32_t* crow, const I* col, const S* val, const S* X, const S* 
 // while the row's kept weights scatter into the feature-major accumulator tile acc [K x T], so no
 // transposed structure (CSR of S^T, 4-8 more bytes per kept weight) is needed. Within a row the
 // columns are distinct: the unrolled group's loads and stores never alias. Each FMA costs a load
-// and a store of the accumulator, so the kernel is bound by stores: 113-138 GFLOP/s on two Zen 4
-// cores against 168-188 for the gather over W^T's CSR it replaced (the accumulator tile held in
-// L1 by column chunks ran no faster: not cache-, store-bound), the price of 2 index bytes per
-// kept weight instead of 10 (2026-11-27).
+// and a store of the accumulator: a store-bound kernel, whose read-modify-writes go to L2 when
+// the K x T tile does not fit L1. Column blocks keep them in L1: the accumulator of kb columns
+// (`block_bytes` of L1) takes every row's kept weights in those columns, then the next block;
+// columns ascend within a row, so a row's kept weights in block b start where block b - 1's
+// ended, and a cursor per row (scratch, not stored) resumes it. Every accumulator element sums
+// the same terms in the same order (rows ascending) either way: the two give identical bits, so
+// which runs is a matter of time only (`kernel_variants.py` measures it per shape).
 
-// acc[col[k]] += val[k] * gt[i] for the kept weights of rows [i0, i1).
+// acc[col[k] - c0] += val[k] * gt[i] for the kept weights of rows [0, M) in columns [c0, c1),
+// from cursor[i] on; cursor[i] ends past them. With `last`, every remaining kept weight of a row
+// is in the block (no column test).
 template <typename S, typename I, int NV>
-void spmm_t_rows(const int32_t* crow, const I* col, const S* val, const S* gt, int64_t i0,
-                 int64_t i1, S* acc) {
+void spmm_t_rows(const int32_t* crow, const I* col, const S* val, const S* gt, int64_t M,
+                 int64_t c0, int64_t c1, bool last, int32_t* cursor, S* acc) {
   constexpr int L = kLanes<S>;
   constexpr int T = NV * L;
   constexpr int U = 8;  // 8 independent read-modify-writes in flight (+3-8% over 4)
-  for (int64_t i = i0; i < i1; ++i) {
+  S* base = acc - c0 * T;  // column j's accumulator row at base + j * T
+  for (int64_t i = 0; i < M; ++i) {
     Vec<S> g[NV];
     for (int v = 0; v < NV; ++v) g[v] = load<S>(gt + i * T + v * L);
-    int32_t k = crow[i];
+    int32_t k = cursor[i];
     const int32_t end = crow[i + 1];
-    for (; k + U <= end; k += U) {
+    for (; k + U <= end && (last || col[k + U - 1] < c1); k += U) {
       S* a[U];
       Vec<S> w[U], x[U][NV];
       for (int u = 0; u < U; ++u) {
-        a[u] = acc + static_cast<int64_t>(col[k + u]) * T;
-        w[u] = Vec<S>{} + val[k + u];
+        a[u] = base + static_cast<int64_t>(col[k + u]) * T;
+        w[u] = splat<S>(val[k + u]);
         for (int v = 0; v < NV; ++v) x[u][v] = load<S>(a[u] + v * L);
       }
       for (int u = 0; u < U; ++u)
         for (int v = 0; v < NV; ++v) store<S>(a[u] + v * L, x[u][v] + w[u] * g[v]);
     }
-    for (; k < end; ++k) {
-      S* a = acc + static_cast<int64_t>(col[k]) * T;
-      const Vec<S> w = Vec<S>{} + val[k];
+    for (; k < end && (last || col[k] < c1); ++k) {
+      S* a = base + static_cast<int64_t>(col[k]) * T;
+      const Vec<S> w = splat<S>(val[k]);
       for (int v = 0; v < NV; ++v) store<S>(a + v * L, load<S>(a + v * L) + w * g[v]);
     }
+    cursor[i] = k;
   }
 }
 
@@ -395,23 +414,34 @@ inline void untranspose_tile(const S* src, int64_t K, int64_t n0, int64_t tn, in
 }
 
 // Threads take whole token tiles (private G and accumulator tiles), so every output element is
-// summed over the rows in the same order whatever the thread count. Returns 1 if a buffer could
-// not be allocated.
+// summed over the rows in the same order whatever the thread count. `block_bytes` > 0 runs the
+// accumulator by column blocks of that many bytes (at least kColBlock columns); 0, or a block
+// that holds all K columns, runs it whole. Returns 1 if a buffer could not be allocated.
 template <typename S, typename I>
 int spmm_t(const int32_t* crow, const I* col, const S* val, const S* G, int64_t N, int64_t M,
-           int64_t K, S* X, int threads) {
+           int64_t K, S* X, int threads, int64_t block_bytes) {
   const int cap = std::min(kSpmmVectors, max_vectors<S>(K, g_spmm_budget));
   const int64_t T_cap = cap * kLanes<S>;
   const int64_t tiles = (N + T_cap - 1) / T_cap;
+  int64_t kb = K;
+  if (block_bytes > 0) {
+    const int64_t fit = block_bytes / static_cast<int64_t>(sizeof(S) * T_cap);
+    kb = std::min(K, std::max(kColBlock, fit / kColBlock * kColBlock));
+  }
   threads = static_cast<int>(std::min<int64_t>(threads_for(crow[M], N, K + M, threads), tiles));
   threads = std::max(threads, 1);
-  const int64_t per_thread = (M + K) * T_cap;  // a G tile and an accumulator tile
+  // A G tile, an accumulator tile (kb columns) and the rows' cursors, in S-sized slots rounded
+  // up to whole cache lines (each thread's tiles start 64-byte aligned).
+  constexpr int64_t line = 64 / sizeof(S);
+  const int64_t slots = (M + kb) * T_cap + (M * 4 + sizeof(S) - 1) / sizeof(S);
+  const int64_t per_thread = (slots + line - 1) / line * line;
   Buffer buf(sizeof(S) * per_thread * threads);
   if (buf.ptr == nullptr) return 1;
 #pragma omp parallel num_threads(threads)
   {
     S* gt = static_cast<S*>(buf.ptr) + per_thread * omp_get_thread_num();
     S* acc = gt + M * T_cap;
+    int32_t* cursor = reinterpret_cast<int32_t*>(acc + kb * T_cap);
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t tile = 0; tile < tiles; ++tile) {
       const int64_t n0 = tile * T_cap;
@@ -419,9 +449,14 @@ int spmm_t(const int32_t* crow, const I* col, const S* val, const S* G, int64_t 
       with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
         constexpr int T = decltype(nv)::value * kLanes<S>;
         transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-        std::memset(acc, 0, sizeof(S) * K * T);
-        spmm_t_rows<S, I, decltype(nv)::value>(crow, col, val, gt, 0, M, acc);
-        untranspose_tile<S, T>(acc, K, n0, tn, K, X);
+        std::memcpy(cursor, crow, sizeof(int32_t) * M);
+        for (int64_t c0 = 0; c0 < K; c0 += kb) {
+          const int64_t c1 = std::min(c0 + kb, K);
+          std::memset(acc, 0, sizeof(S) * (c1 - c0) * T);
+          spmm_t_rows<S, I, decltype(nv)::value>(crow, col, val, gt, M, c0, c1, c1 == K, cursor,
+                                                  acc);
+          untranspose_tile<S, T>(acc, c1 - c0, n0, tn, K, X + c0);
+        }
       });
     }
   }
@@ -430,8 +465,11 @@ int spmm_t(const int32_t* crow, const I* col, const S* val, const S* G, int64_t 
 
 // --- D [M, K] = (G^T @ X) at the kept positions of (crow, col), zero elsewhere ------------------
 
-// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1).
-template <typename S, typename I, int NV>
+// vals[k] += dot over the tile's tokens of G column i and X column col[k], for rows [i0, i1)
+// (= with Store: a range's first tile writes its partial sums, no zeroing pass before it; the
+// kept values' partial sums are read and written once per tile, memory traffic that grows with
+// the layer's kept count: benchmarks/README.md, "Figures behind the code").
+template <typename S, typename I, int NV, bool Store = false>
 void sddmm_rows(const int32_t* crow, const I* col, const S* gt, const S* xt, int64_t i0,
                 int64_t i1, S* vals) {
   constexpr int L = kLanes<S>;
@@ -454,13 +492,17 @@ void sddmm_rows(const int32_t* crow, const I* col, const S* gt, const S* xt, int
         a2 += g[v] * load<S>(x2 + v * L);
         a3 += g[v] * load<S>(x3 + v * L);
       }
-      reduce4<S>(a0, a1, a2, a3, vals + k);
+      reduce4<S, Store>(a0, a1, a2, a3, vals + k);
     }
     for (; k < end; ++k) {
       const S* x0 = xt + static_cast<int64_t>(col[k]) * T;
       Vec<S> a0{};
       for (int v = 0; v < NV; ++v) a0 += g[v] * load<S>(x0 + v * L);
-      vals[k] += horizontal_sum<S>(a0);
+      if constexpr (Store) {
+        vals[k] = horizontal_sum<S>(a0);
+      } else {
+        vals[k] += horizontal_sum<S>(a0);
+      }
     }
   }
 }
@@ -498,15 +540,20 @@ int sddmm(const int32_t* crow, const I* col, const S* G, const S* X, int64_t N, 
 #pragma omp for schedule(dynamic, 1)
       for (int p = 0; p < ranges; ++p) {
         S* vals = partial + nnz * p;
-        std::memset(vals, 0, sizeof(S) * nnz);
-        for (int64_t tile = tiles * p / ranges; tile < tiles * (p + 1) / ranges; ++tile) {
+        const int64_t first = tiles * p / ranges, last = tiles * (p + 1) / ranges;
+        if (first == last) std::memset(vals, 0, sizeof(S) * nnz);  // no tokens (N = 0)
+        for (int64_t tile = first; tile < last; ++tile) {
           const int64_t n0 = tile * T_cap;
           const int64_t tn = std::min(T_cap, N - n0);
           with_vectors(vectors_for<S>(tn, cap), [&](auto nv) {
             constexpr int T = decltype(nv)::value * kLanes<S>;
             transpose_tile<S, T>(X, K, n0, tn, 0, K, xt);
             transpose_tile<S, T>(G, M, n0, tn, 0, M, gt);
-            sddmm_rows<S, I, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+            if (tile == first) {
+              sddmm_rows<S, I, decltype(nv)::value, true>(crow, col, gt, xt, 0, M, vals);
+            } else {
+              sddmm_rows<S, I, decltype(nv)::value>(crow, col, gt, xt, 0, M, vals);
+            }
           });
         }
       }
@@ -770,8 +817,9 @@ void ls_csr_cols_u16(const uint8_t* mask, int64_t M, int64_t K, const int32_t* c
     spmm<S, I>(crow, col, val, X, bias, N, K, M, Y, threads);                                     \
   }                                                                                               \
   int ls_spmm_t_##SN##_##IN(const int32_t* crow, const I* col, const S* val, const S* G,          \
-                            int64_t N, int64_t M, int64_t K, S* X, int threads) {                 \
-    return spmm_t<S, I>(crow, col, val, G, N, M, K, X, threads);                                  \
+                            int64_t N, int64_t M, int64_t K, S* X, int threads,                   \
+                            int64_t block_bytes) {                                                \
+    return spmm_t<S, I>(crow, col, val, G, N, M, K, X, threads, block_bytes);                     \
   }                                                                                               \
   int ls_sddmm_##SN##_##IN(const int32_t* crow, const I* col, const S* G, const S* X, int64_t N,  \
                            int64_t K, int64_t M, S* D, int threads) {                             \

@@ -20,19 +20,46 @@ from typing import Any
 
 import torch
 
+from . import held
+from .bitpack import pack_bits, unpack_bits
 from .mask_ops import row_counts
 from .per_step import StepHooks
 from .sharding import full, is_sharded
 from .sparse_parameter import SparseParameter
 
-__all__ = ["UpdateFigures", "by_key", "install", "stack_key", "update_figures"]
+__all__ = ["Packed", "UpdateFigures", "by_key", "install", "pending", "stack_key", "update_figures"]
 
 Stats = dict[str, dict[str, torch.Tensor]]  # {param name: {figure: 0-d tensor}}
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A new mask kept as packed bits (`bitpack`) until `install`: what an update holds for a
+    weight whose values are held elsewhere (`held`), so that a model built sparse never holds a
+    second byte per masked weight between computing its masks and installing them."""
+
+    bits: torch.Tensor  # uint8 [ceil(numel / 8)]
+    shape: torch.Size
+
+    def unpack(self) -> torch.Tensor:
+        return unpack_bits(self.bits, self.shape)
+
+
+NewMask = torch.Tensor | Packed
+
+
+def pending(sp: SparseParameter, mask: torch.Tensor) -> NewMask:
+    """``mask``, ``sp``'s new mask, as the update keeps it until `install`: packed for a weight
+    held elsewhere (a device's compact layer: its masks are most of what the model holds),
+    as it is otherwise."""
+    if held.holder_of(sp.param) is None or is_sharded(mask):
+        return mask
+    return Packed(pack_bits(mask), mask.shape)
+
+
 def install(
     sparse_params: Mapping[str, SparseParameter],
-    masks: Mapping[str, torch.Tensor],
+    masks: Mapping[str, NewMask],
     hooks: StepHooks,
 ) -> Stats:
     """Copy ``masks`` into the mask buffers of ``sparse_params`` and prune the weights (one
@@ -41,11 +68,13 @@ def install(
     with torch.no_grad():
         keys = {n: stack_key(sparse_params[n], m) for n, m in masks.items()}
         for names in by_key(keys):
+            first = masks[names[0]]
             if keys[names[0]] == (names[0],):
-                stats[names[0]] = install_one(sparse_params[names[0]], masks[names[0]])
+                mask = first.unpack() if isinstance(first, Packed) else first
+                stats[names[0]] = install_one(sparse_params[names[0]], mask)
             else:
                 sps = [sparse_params[n] for n in names]
-                figures = install_stacked(sps, [masks[n] for n in names])
+                figures = install_stacked(sps, [_tensor(masks[n]) for n in names])
                 stats.update(zip(names, figures, strict=True))
         hooks.prune([sparse_params[n] for n in masks])  # one pass
     return stats
@@ -59,9 +88,15 @@ def by_key(keys: Mapping[str, Hashable]) -> list[list[str]]:
     return list(groups.values())
 
 
-def stack_key(sp: SparseParameter, mask: torch.Tensor) -> tuple[Any, ...]:
-    """Masks installed together share this key: shape, device, ITOP; a sharded one alone."""
-    if is_sharded(sp.mask) or is_sharded(mask):
+def _tensor(mask: NewMask) -> torch.Tensor:
+    assert not isinstance(mask, Packed)  # packed masks are installed alone (`stack_key`)
+    return mask
+
+
+def stack_key(sp: SparseParameter, mask: NewMask) -> tuple[Any, ...]:
+    """Masks installed together share this key: shape, device, ITOP; a sharded one, and a
+    packed one (`pending`: a stack would hold every weight's mask twice), alone."""
+    if isinstance(mask, Packed) or is_sharded(sp.mask) or is_sharded(mask):
         return (sp.name,)
     return (tuple(mask.shape), mask.device, sp.ever_active is not None)
 

@@ -230,6 +230,23 @@ class MaskState:
         ddp_ignore.ignore_masks(root, self.name, sps)
         self.observers.emit_sparsity(self.owner, self.sparse_params, self.mask_target)
 
+    def materialize(self, name: str) -> None:
+        """``name``'s parameter was made from the meta device (`SparsityAlgorithm.materialize`):
+        its deferred mask drawn now, its ever-active set, the weight pruned, the hooks on it."""
+        sp = self.sparse_params[name]
+        param = sp.param
+        if param.is_meta:
+            raise ValueError(
+                f"{self.name}: {name!r} is still on the meta device; give it its values "
+                "(a device and an initialisation) before drawing its mask"
+            )
+        mask = self.owner.initial_mask(name, param.detach())
+        sp.register_mask(mask)
+        if self.track_itop:
+            sp.register_ever_active(mask.clone())
+        self.hooks.adopt(sp)
+        sp.prune_()
+
     # ------------------------------------------------------------------ 2. an update
     def rule_param(self, name: str) -> torch.Tensor:
         """The parameter ``name`` as the rule sees it: whole (a shard gathered with its
@@ -254,7 +271,14 @@ class MaskState:
         flip = name in self.in_out_params  # GPT-2 Conv1D [in, out]: the rule sees [out, in]
         return shard_like(mask.t().contiguous() if flip else mask, self.sparse_params[name].param)
 
-    def install(self, masks: dict[str, torch.Tensor], targets: dict[str, float], step: int) -> None:
+    def pending(self, name: str, mask: torch.Tensor) -> install.NewMask:
+        """``name``'s new ``mask`` as the update keeps it until `install` (`install.pending`:
+        packed bits for a weight held elsewhere)."""
+        return install.pending(self.sparse_params[name], mask)
+
+    def install(
+        self, masks: dict[str, install.NewMask], targets: dict[str, float], step: int
+    ) -> None:
         """Copy the update's ``masks`` into the mask buffers and prune the weights
         (`install.install`), record ``dropped`` / ``grown`` / ``sparsity`` / ``itop`` per
         parameter (0-d tensors: no host sync) and each mask's target, and tell the observers of

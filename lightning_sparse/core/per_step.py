@@ -133,6 +133,12 @@ class StepHooks:
             self._grad_hooks[sp.name] = param.register_post_accumulate_grad_hook(hook)
         self._seen[sp.name] = _Seen.of(param, sp.mask, self._mask_dropped(sp.name))
 
+    def adopt(self, sp: SparseParameter) -> None:
+        """``sp``'s parameter and mask, both new (made from the meta device), are the ones the
+        hooks are on from now."""
+        self._hook(sp)
+        self.changed()
+
     def guards(self, name: str, param: torch.Tensor) -> bool:
         """Whether ``name``'s gradient hook is on this very ``param`` (its gradient is then
         masked in every backward)."""
@@ -229,9 +235,14 @@ class StepHooks:
         self.rebind()
 
     def params_of(self, optimizer: torch.optim.Optimizer) -> list[SparseParameter]:
-        """The sparse parameters ``optimizer`` steps."""
+        """The sparse parameters ``optimizer`` steps; a weight whose values are held elsewhere
+        (`held`: parked on a device before its optimizer took its values) is not among them."""
         ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        return [sp for sp in self.sparse_params.values() if id(sp.param) in ids]
+        return [
+            sp
+            for sp in self.sparse_params.values()
+            if id(sp.param) in ids and held.holder_of(sp.param) is None
+        ]
 
     def sync(self, optimizer: torch.optim.Optimizer, force: bool = False) -> None:
         """Prune the weights, the gradients the hooks did not mask and, if anything changed
@@ -392,6 +403,8 @@ class StepHooks:
                 mask = incoming.get(name)
                 if mask is not None:
                     sp.mask.copy_(shard_like(mask.to(sp.mask.device), sp.mask))
+                elif held.holder_of(sp.param) is not None:
+                    pass  # its values are held elsewhere (they loaded there, pruned)
                 elif (kept := pruned_values(local(sp.param.detach()), local(sp.mask))) is not None:
                     self.unpruned[name] = kept
                 sp.prune_()

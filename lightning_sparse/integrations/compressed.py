@@ -41,6 +41,7 @@ __all__ = [
     "FORMAT",
     "compress_directory",
     "compress_state_dict",
+    "record_sparsity",
     "decompress_state_dict",
     "load_compressed",
     "worth_compressing",
@@ -156,6 +157,12 @@ def compress_directory(path: Path, names: Iterable[str] | None = None) -> None:
     if index:
         index["weight_map"] = weight_map
         index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    record_sparsity(path, targets, zeros, total)
+
+
+def record_sparsity(path: Path, targets: list[str], zeros: int, total: int) -> None:
+    """Record the sparse-bitmask format in ``path``'s ``config.json``: the compressed modules
+    ``targets`` and the share of zeros (``zeros`` of ``total`` weights) among them."""
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {  # no quantization: the values keep the weights' dtype

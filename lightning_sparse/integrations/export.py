@@ -5,7 +5,9 @@ package's `Llama` (mapped to ``LlamaForCausalLM``, see `llama_to_hf`), either in
 `LitCausalLM`, or the path of a Lightning checkpoint written by ``lightning-sparse fit`` (rebuilt
 by `load_lit_checkpoint`: read weights-only, class names checked before anything is imported).
 Formats: ``hf`` (dense safetensors, pruned weights exactly zero, no mask entries) and
-``compressed`` (compressed-tensors ``sparse-bitmask``, see `compressed`).
+``compressed`` (compressed-tensors ``sparse-bitmask``, see `compressed`). The compressed export
+of a checkpoint of a model built sparse is written from the checkpoint, one layer dense at a
+time, without the model (`export_compact`).
 
 The live model is never modified (the weights come from `strip_masks`). The directory appears
 whole or not at all, and ``overwrite`` replaces only an export this package wrote (see
@@ -18,16 +20,18 @@ import errno
 import importlib.util
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from lightning_sparse.core.file_modes import give_default_mode
+from lightning_sparse.core.safe_load import load_torch_file
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.integrations import export_dir
 from lightning_sparse.integrations.choices import EXPORT_FORMATS
+from lightning_sparse.integrations.export_compact import compact_llama, write_compressed
 from lightning_sparse.integrations.lit_checkpoint import load_lit_checkpoint
 from lightning_sparse.models.hf import HFCausalLM
 from lightning_sparse.models.lit_lm import LitCausalLM
@@ -113,13 +117,31 @@ def export(
                 "overwrite=True (which replaces only an export written by lightning_sparse)"
             )
         export_dir.check_replaceable(output)
-    if isinstance(source, (str, Path)):
-        model: nn.Module = load_lit_checkpoint(
-            source, model_classes=model_classes, run_config=run_config, trust_file=trust_file
-        )
+    compact = None
+    if isinstance(source, (str, Path)) and format == "compressed":
+        # A checkpoint of a model built sparse: written from the checkpoint, never dense.
+        compact = compact_llama(_checkpoint(source, trust_file))
+    if compact is not None:
+        cfg, weights = compact
+
+        def save(path: Path) -> None:
+            write_compressed(path, cfg, weights)
+
     else:
-        model = source
-    hf_model, state = _to_hf(model)
+        if isinstance(source, (str, Path)):
+            model: nn.Module = load_lit_checkpoint(
+                source, model_classes=model_classes, run_config=run_config, trust_file=trust_file
+            )
+        else:
+            model = source
+        hf_model, state = _to_hf(model)
+
+        def save(path: Path) -> None:
+            hf_model.save_pretrained(path, state_dict=state)
+            if format == "compressed":
+                from lightning_sparse.integrations.compressed import compress_directory
+
+                compress_directory(path)
 
     # 2. Write into a hidden staging directory beside output, then swap it in.
     def write() -> Path:
@@ -128,22 +150,25 @@ def export(
 
     staging = _guard(write, output)
     try:
-        _guard(lambda: _write(staging, hf_model, state, format, tokenizer), output)
+        _guard(lambda: _write(staging, save, format, tokenizer), output)
         _guard(lambda: export_dir.publish(staging, output), output)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return output
 
 
-def _write(
-    path: Path, hf_model: PreTrainedModel, state: dict[str, Any], fmt: str, tokenizer: Any
-) -> None:
-    hf_model.save_pretrained(path, state_dict=state)
-    _add_transformers4_fields(path / "config.json")
-    if fmt == "compressed":
-        from lightning_sparse.integrations.compressed import compress_directory
+def _checkpoint(path: str | Path, trust_file: bool) -> dict[str, Any]:
+    """The checkpoint at ``path`` (weights only unless ``trust_file``), or an empty dict for
+    something `load_lit_checkpoint` then reports."""
+    loaded = load_torch_file(
+        path, trust_file=trust_file, what="checkpoint", opt_in="trust_file=True (CLI: --trust-file)"
+    )
+    return loaded if isinstance(loaded, dict) else {}
 
-        compress_directory(path)
+
+def _write(path: Path, save: Callable[[Path], None], fmt: str, tokenizer: Any) -> None:
+    save(path)  # config.json and the weights (compressed for fmt "compressed")
+    _add_transformers4_fields(path / "config.json")
     if tokenizer is not None:
         shutil.copytree(tokenizer, path, dirs_exist_ok=True)
     for file in path.rglob("*"):  # safetensors writes through mkstemp: 0o600, not the umask's

@@ -26,6 +26,8 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from lightning_sparse.core.safe_load import load_torch_file
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.models.hf import HFCausalLM
@@ -88,6 +90,8 @@ def load_lit_checkpoint(
             f"checkpoint {str(path)!r} holds a {class_path!r}, not a "
             "lightning_sparse.models.LitCausalLM; export the model object instead"
         )
+    if hparams.get("build_sparse"):  # the model is rebuilt to load dense weights into
+        hparams["build_sparse"] = False
     config = Path(run_config) if run_config is not None else run_config_of(path)
     submodel = _recipe_model(config, allowed) if config is not None else None
     if submodel is not None:
@@ -101,7 +105,7 @@ def load_lit_checkpoint(
                 module = instantiate_module(cls, hparams)  # builds the (checked) class_path entry
         else:
             module = cls(**hparams)
-        module.load_state_dict(strip_masks(checkpoint["state_dict"]), strict=True)
+        module.load_state_dict(_dense(strip_masks(checkpoint["state_dict"])), strict=True)
     except (RuntimeError, TypeError, ValueError, KeyError) as err:
         config_hint = (
             f"the run config {str(config)!r}" if config is not None else "no run config.yaml"
@@ -182,3 +186,11 @@ def _allowed_names(classes: Iterable[type]) -> dict[str, type]:
             if getattr(sys.modules.get(package), cls.__name__, None) is cls:
                 names[f"{package}.{cls.__name__}"] = cls
     return names
+
+
+def _dense(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """``state_dict`` with each sparse CSR weight (a model built sparse wrote them) dense."""
+    return {
+        k: v.to_dense() if torch.is_tensor(v) and v.layout == torch.sparse_csr else v
+        for k, v in state_dict.items()
+    }

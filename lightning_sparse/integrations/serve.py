@@ -265,6 +265,8 @@ def _install(
             stored = _read_dense(source, groups, tensors, tuple(meta.shape), used)
         value = stored.to(dtype if stored.is_floating_point() else stored.dtype, copy=True)
         tensors.release(stored)
+        # A tied parameter saved under each of its names (a Lightning checkpoint): one read.
+        used.update(n for n in owners if n in shapes)
         if isinstance(meta, nn.Parameter):
             value = nn.Parameter(value, requires_grad=False)
         for owner in owners:  # a tied parameter: one object under every name

@@ -137,7 +137,10 @@ class CheckpointFile:
         self.shapes = {k: (tuple(v.shape), v.dtype) for k, v in self._tensors.items()}
 
     def read(self, key: str) -> Tensor:
-        return self._tensors.pop(key)
+        """The tensor at ``key``, once; a sparse CSR weight (a model built sparse wrote it)
+        dense, that one weight only."""
+        tensor = self._tensors.pop(key)
+        return tensor.to_dense() if tensor.layout == torch.sparse_csr else tensor
 
     def release(self, tensor: Tensor) -> None:
         """Drop the resident pages of a used tensor (or a block of one) mapped from the file."""

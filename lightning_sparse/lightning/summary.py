@@ -28,6 +28,9 @@ from __future__ import annotations
 
 import json
 import math
+import resource
+import statistics
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -99,6 +102,11 @@ class SparseRunSummary(pl.Callback):
         self._val_logged: list[str] = []
         self._stage_layers = -1
         self._stage_dirty = True
+        # This process's optimizer steps: seconds each (from the end of the one before) and
+        # the tokens they trained (`run_figures`).
+        self.step_seconds: list[float] = []
+        self._step_clock: float | None = None
+        self._tokens_at_start = 0
 
     # ------------------------------------------------------------------ counting
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -107,11 +115,15 @@ class SparseRunSummary(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start = time.perf_counter()
+        self.step_seconds, self._step_clock = [], None
+        self._tokens_at_start = int(self.counters["tokens"])
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_at_batch_start = trainer.global_step
+        if self._step_clock is None:
+            self._step_clock = time.perf_counter()
         # The sparse layers themselves can change too (densify at a Variable SPDF switch).
         layers = sum(len(a.sparse_params) for a in algorithms_of(pl_module))
         self._note_stage(pl_module, trainer.global_step, layers)
@@ -175,6 +187,10 @@ class SparseRunSummary(pl.Callback):
         step = trainer.global_step
         if step == self._step_at_batch_start:
             return  # accumulating gradients: no optimizer step yet
+        now = time.perf_counter()
+        if self._step_clock is not None:
+            self.step_seconds.append(now - self._step_clock)
+        self._step_clock = now
         # Trainer.log_every_n_steps and .datamodule are set by Lightning's connectors, undeclared
         # on the class: mypy finds no such attributes.
         if step % max(trainer.log_every_n_steps, 1) == 0:  # type: ignore[attr-defined]
@@ -334,6 +350,9 @@ class SparseRunSummary(pl.Callback):
                 "inference_per_token_dense": flops.dense_forward_flops_per_token,
             },
             "device": _device_stats(trainer),
+            "run": run_figures(
+                self.step_seconds, int(self.counters["tokens"]) - self._tokens_at_start
+            ),
         }
 
     def _no_validation(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> str:
@@ -407,3 +426,20 @@ def _unigram_of(datamodule: Any) -> float | None:
 
 def _exp(loss: float | None) -> float | None:
     return math.exp(loss) if loss is not None else None
+
+
+def run_figures(step_seconds: list[float], tokens: int) -> dict[str, float | None]:
+    """This process's training speed and memory: the median seconds of an optimizer step
+    (from the end of the step before; the first step, which also times the device's kernels
+    and builds Adam's state, is left out where there are others), the tokens those steps
+    trained per second of them, and the process's peak resident memory so far (Linux and
+    macOS report ``ru_maxrss`` in KiB and bytes)."""
+    timed = step_seconds[1:] or step_seconds
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = maxrss if sys.platform == "darwin" else maxrss * 1024
+    total = sum(step_seconds)
+    return {
+        "seconds_per_step": statistics.median(timed) if timed else None,
+        "tokens_per_s": tokens / total if total > 0 else None,
+        "peak_rss_gb": peak / 1e9,
+    }

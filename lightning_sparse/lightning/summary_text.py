@@ -21,6 +21,12 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
         f"steps {summary['steps']}  tokens {summary['tokens']:,}  wall time "
         f"{summary['wall_time_s']:.0f} s  algorithms {', '.join(summary['algorithms'])}",
     ]
+    run = summary.get("run")
+    if run and run.get("seconds_per_step") is not None:
+        lines.append(
+            f"speed {run['seconds_per_step']:.3g} s/step (median), "
+            f"{run['tokens_per_s']:,.0f} tokens/s; peak memory (RSS) {run['peak_rss_gb']:.2f} GB"
+        )
     if val["loss"] is None:
         looked = " or ".join(repr(k) for k in val.get("looked_for", ["val/loss"]))
         lines.append(f"validation: no {looked} logged ({val.get('note')})")
@@ -37,7 +43,7 @@ def format_summary(summary: dict[str, Any], layers: bool = True) -> str:
         lines.append(
             f"sparsity at the end: {sp['sparse_layers']:.2%} of the sparse layers "
             f"({len(sp['layers'])} tensors), {sp['model']:.2%} of all {sp['params']:,} "
-            f"parameters ({sp['nonzeros']:,} nonzero)"
+            f"parameters ({sp['nonzeros']:,} nonzero, kept)"
         )
     else:
         lines.append(
@@ -113,6 +119,7 @@ def final_metrics(summary: dict[str, Any]) -> dict[str, float]:
         "summary/inference_flops_per_token": summary["flops"]["inference_per_token"],
         "summary/sparsity": summary["sparsity"]["sparse_layers"],
         "summary/wall_time_s": summary["wall_time_s"],
+        **{f"summary/{k}": v for k, v in (summary.get("run") or {}).items()},
     }
     return {k: float(v) for k, v in values.items() if v is not None}
 

@@ -6,6 +6,7 @@ so LightningCLI can configure it from YAML and checkpoints hold only plain Pytho
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
+from lightning_sparse.core.materialize import materialize
 from lightning_sparse.lightning.clipping import clip_gradients
 from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
@@ -55,6 +57,15 @@ class LitCausalLM(L.LightningModule):
             `estimated_stepping_batches`.
         min_lr_ratio: Final learning rate as a fraction of `lr`.
         max_new_tokens, temperature, top_k: Sampling settings of `predict_step`.
+        build_sparse: Build the default `Llama` on the meta device, so that its dense weights
+            never exist: a sparsity callback applied to it draws its masks as each layer is
+            made, and ``accelerator="wse"`` makes it one module at a time, each masked layer
+            compact (`lightning_sparse.wse.materialize`), which trains models whose dense
+            weights do not fit in memory. Another accelerator makes it whole, pruned, in
+            `configure_model`. The initial values are `init_tensor`'s, the same for a given
+            seed as a dense build on the meta device (`Llama.reset_parameters` after
+            ``to_empty``), not as ``Llama(cfg)`` on the CPU (whose layers draw their own
+            default init first).
     """
 
     if TYPE_CHECKING:
@@ -85,26 +96,52 @@ class LitCausalLM(L.LightningModule):
         max_new_tokens: int = 64,
         temperature: float = 1.0,
         top_k: int | None = None,
+        build_sparse: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
-        if model is None:
-            model = Llama(
-                LlamaConfig(
-                    vocab_size=vocab_size,
-                    dim=dim,
-                    n_layers=n_layers,
-                    n_heads=n_heads,
-                    n_kv_heads=n_kv_heads,
-                    ffn_hidden=ffn_hidden,
-                    max_seq_len=max_seq_len,
-                    rope_theta=rope_theta,
-                    norm_eps=norm_eps,
-                    tie_embeddings=tie_embeddings,
-                )
+        if model is not None and build_sparse:
+            raise ValueError(
+                "build_sparse=True builds the default Llama on the meta device; with a model of "
+                "your own, build it under torch.device('meta') yourself and give this module an "
+                "init_tensor(name, tensor) method"
             )
+        if model is None:
+            with torch.device("meta") if build_sparse else contextlib.nullcontext():
+                model = self._llama(locals())
         self.model = model
         self.val_loss = MeanMetric()
+
+    @staticmethod
+    def _llama(args: dict) -> Llama:
+        """The default model from the constructor's arguments."""
+        keys = (
+            "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+            "rope_theta", "norm_eps", "tie_embeddings",
+        )  # fmt: skip
+        return Llama(LlamaConfig(**{k: args[k] for k in keys}))
+
+    def init_tensor(self, name: str, t: Tensor) -> None:
+        """Initialise this module's parameter or buffer ``name`` in place, as a dense build
+        does (`Llama.init_tensor`): what `lightning_sparse.wse.materialize` calls for a model
+        built sparse."""
+        if not name.startswith("model.") or not isinstance(self.model, Llama):
+            raise ValueError(
+                f"init_tensor knows the default Llama's tensors (model.*), not {name!r}"
+            )
+        self.model.init_tensor(name.removeprefix("model."), t)
+
+    def configure_model(self) -> None:
+        """A model built sparse (``build_sparse``) is made here, before Lightning loads a
+        checkpoint into it: by an accelerator that makes it itself (``"wse"``: one layer at a
+        time, each masked layer compact), else whole, pruned (`core.materialize`)."""
+        if not any(t.is_meta for t in [*self.parameters(), *self.buffers()]):
+            return
+        make = getattr(self.trainer.accelerator, "materialize", None)
+        if callable(make):
+            make(self.trainer, self.init_tensor)
+        else:
+            materialize(self, self.init_tensor, [])
 
     def forward(self, idx: Tensor) -> Tensor:
         """idx: [B, T] -> logits [B, T, V]."""
@@ -168,8 +205,15 @@ class LitCausalLM(L.LightningModule):
         module loaded with ``load_from_checkpoint`` or ``ckpt_path=`` without a sparsity callback
         carries them (for the device, reports, export), and checkpoints of earlier versions
         (``*_mask`` entries) load (a callback in the Trainer has applied its algorithm already,
-        which then restores the masks itself)."""
+        which then restores the masks itself). A module built sparse and loaded outside a fit
+        is made whole first, and a checkpoint's sparse CSR weights (a model built sparse wrote
+        them) are made dense for layers that do not load them compact."""
+        if any(t.is_meta for t in [*self.parameters(), *self.buffers()]):
+            # Built sparse and loaded outside a fit (load_from_checkpoint, export, generate):
+            # made whole first, the checkpoint's values then load into it.
+            materialize(self, self.init_tensor, [])
         restore_checkpoint_masks(self, checkpoint)
+        _dense_where_needed(self, checkpoint.get("state_dict"))
 
     def configure_gradient_clipping(
         self,
@@ -212,3 +256,17 @@ class LitCausalLM(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+def _dense_where_needed(module: nn.Module, state_dict: dict | None) -> None:
+    """A checkpoint of a model built sparse holds its masked weights as sparse CSR tensors;
+    each is made dense, in ``state_dict``, for a layer that does not load one itself (a device
+    layer declares ``loads_sparse_csr``): any model loads such a checkpoint."""
+    if not state_dict:
+        return
+    modules = dict(module.named_modules())
+    for key, value in list(state_dict.items()):
+        if torch.is_tensor(value) and value.layout == torch.sparse_csr:
+            owner = modules.get(key.rpartition(".")[0])
+            if not getattr(owner, "loads_sparse_csr", False):
+                state_dict[key] = value.to_dense()

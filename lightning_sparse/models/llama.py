@@ -257,15 +257,27 @@ class Llama(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) everywhere, residual outputs scaled by 1/sqrt(2 * n_layers)."""
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        """GPT-2 init: N(0, 0.02) everywhere, residual outputs scaled by 1/sqrt(2 * n_layers)
+        (`init_tensor` per parameter, in ``named_parameters`` order)."""
         for name, p in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                nn.init.normal_(p, mean=0.0, std=residual_std)
-            elif p.ndim >= 2:
-                nn.init.normal_(p, mean=0.0, std=0.02)
-            else:  # RMSNorm gains
-                nn.init.ones_(p)
+            self.init_tensor(name, p)
+
+    @torch.no_grad()
+    def init_tensor(self, name: str, t: Tensor) -> None:
+        """Initialise the parameter or buffer ``name`` of this model (``t``, in place), as a
+        dense build does: the rule of `reset_parameters` for a parameter, the rotary tables
+        for ``rope_cos`` / ``rope_sin``. What `lightning_sparse.wse.on_wse`'s ``init`` calls
+        for a model built on the meta device, one tensor at a time."""
+        if name in ("rope_cos", "rope_sin"):
+            cfg = self.config
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            t.copy_(cos if name == "rope_cos" else sin)
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            nn.init.normal_(t, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layers))
+        elif t.ndim >= 2:
+            nn.init.normal_(t, mean=0.0, std=0.02)
+        else:  # RMSNorm gains
+            nn.init.ones_(t)
 
     def forward(self, idx: Tensor, cache: KVCache | None = None) -> Tensor:
         """idx: LongTensor [B, T] with T <= max_seq_len -> logits [B, T, vocab_size].

@@ -26,6 +26,7 @@ from lightning_sparse.wse.lightning import (
     WSEStrategy,
     check_precision,
 )
+from lightning_sparse.wse.materialize import materialize
 from lightning_sparse.wse.native import compiled_available
 from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import LayerMemory, WSEStats
@@ -53,6 +54,7 @@ __all__ = [
     "clear_autotune_cache",
     "compiled_available",
     "install_executor",
+    "materialize",
     "on_wse",
     "register_masks",
     "resolve_path",

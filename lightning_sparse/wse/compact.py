@@ -49,10 +49,12 @@ from lightning_sparse.wse.csr import CSRWeight
 
 __all__ = [
     "ELEMENTWISE",
+    "adopt",
     "CompactLayers",
     "CompactState",
     "find_slot",
     "grow_candidates",
+    "park",
     "qualifies",
     "rebuild",
     "release",
@@ -84,7 +86,8 @@ class CompactState:
         weight: the layer's weight parameter (the dense handle; holds no values meanwhile).
         values: the kept values ``[nnz]``, the parameter the optimizer steps.
         csr: the structure the values follow.
-        optimizer: the optimizer holding ``values`` (weakly).
+        optimizer: the optimizer holding ``values`` (weakly); returns None while the layer is
+            parked (`park`: built sparse before its optimizer existed).
     """
 
     __slots__ = ("csr", "optimizer", "values", "weight")
@@ -94,10 +97,12 @@ class CompactState:
         weight: nn.Parameter,
         values: nn.Parameter,
         csr: CSRWeight,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | None,
     ) -> None:
         self.weight, self.values, self.csr = weight, values, csr
-        self.optimizer: weakref.ref[torch.optim.Optimizer] = weakref.ref(optimizer)
+        self.optimizer: Callable[[], torch.optim.Optimizer | None] = (
+            _no_optimizer if optimizer is None else weakref.ref(optimizer)
+        )
 
     def dense_weight(self) -> Tensor:
         """The dense ``[out, in]`` weight (a new tensor; zeros at pruned positions)."""
@@ -168,6 +173,34 @@ def to_compact(
     return CompactState(weight, values, csr, optimizer)
 
 
+def park(weight: nn.Parameter, csr: CSRWeight) -> CompactState:
+    """``weight`` (dense, pruned) in compact form before any optimizer holds it (a model built
+    sparse under Lightning, whose optimizers come after the model is made): its kept values
+    become a parameter no optimizer steps yet and the weight is emptied; `adopt` puts the values
+    in the optimizer that holds the weight."""
+    with torch.no_grad():
+        values = nn.Parameter(csr.gather_values(weight.detach()), requires_grad=True)
+    weight.grad = None
+    weight.data = _placeholder(weight)
+    return CompactState(weight, values, csr, None)
+
+
+def adopt(compact: CompactState, slot: tuple[torch.optim.Optimizer, dict[str, Any], int]) -> None:
+    """A parked layer (`park`) found its optimizer: the values take the weight's place at
+    ``slot``, with any state the weight has there gathered at the kept positions."""
+    optimizer, group, index = slot
+    weight = compact.weight
+    old = optimizer.state.get(weight)
+    with torch.no_grad():
+        state = None if old is None else _moved(old, weight.shape, compact.csr.gather_values)
+    _take_place(optimizer, group, index, weight, compact.values, compact.values.grad, state)
+    compact.optimizer = weakref.ref(optimizer)
+
+
+def _no_optimizer() -> None:
+    """A parked layer's optimizer: none yet."""
+
+
 def to_dense(compact: CompactState) -> None:
     """Undo `to_compact`: the weight, its gradient and its optimizer state become dense again
     (zeros at pruned positions) and the weight takes the values' place in the optimizer."""
@@ -223,8 +256,16 @@ def rebuild(
     or zero where grown. Compact to compact: each ``[nnz]`` tensor is moved through the map from
     new to old positions (both CSR orders are ascending flat positions), nothing of the
     weight's size is made (but ``grad``'s gather). The old compact state is spent; the returned
-    one replaces it (None: the optimizer is gone, the layer goes dense, pruned).
+    one replaces it (None: the optimizer is gone, the layer goes dense, pruned); a parked
+    layer's (`park`) stays parked, its values moved.
     """
+    if compact.optimizer is _no_optimizer:  # parked (`park`): only the values move
+        with torch.no_grad():
+            values = nn.Parameter(
+                _mover(compact.csr.flat_indices(), csr.flat_indices())(compact.values.detach()),
+                requires_grad=True,
+            )
+        return CompactState(compact.weight, values, csr, None)
     optimizer = compact.optimizer()
     slot = None if optimizer is None else find_slot([optimizer], compact.values)
     if slot is None:
@@ -341,6 +382,7 @@ class Layer(Protocol):
     """What `CompactLayers` needs of a device layer (the executor's per-layer state)."""
 
     compact: CompactState | None
+    built_sparse: bool
 
     def decompact(self) -> None: ...
 
@@ -412,6 +454,8 @@ class CompactLayers:
         ``state_dict`` / ``load_state_dict`` / ``step``."""
         for key, layer in list(self.layers.items()):
             compact = layer.compact
+            if layer.built_sparse:  # stays compact: the model never held its dense weight
+                continue
             if compact is not None:
                 release(compact)
                 self.released[key] = compact
@@ -427,6 +471,9 @@ class CompactLayers:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, param in enumerate(params):
             compact = self._compact_of(param)
+            layer = self.layers.get(id(param))
+            if layer is not None and layer.built_sparse:  # kept [nnz]: it may not fit dense
+                continue
             if compact is not None and index in state:
                 state[index] = _moved(state[index], compact.values.shape, compact.csr.to_dense)
         return state_dict
@@ -440,7 +487,8 @@ class CompactLayers:
         """Optimizer load pre-hook: the layers dense, so the (dense) state loads as on the cpu;
         released layers' weights take their values' place again."""
         for layer in self.of(optimizer):
-            layer.decompact()
+            if not layer.built_sparse:  # a layer built sparse loads its [nnz] state as it is
+                layer.decompact()
         self._reclaim(optimizer)
 
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

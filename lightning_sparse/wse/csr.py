@@ -172,6 +172,15 @@ class CSRWeight:
         dense.index_put_((self.flat_indices(),), values)
         return dense.view(self.shape)
 
+    def as_torch_csr(self, values: Tensor) -> Tensor:
+        """PyTorch sparse CSR tensor of ``values`` (``[nnz]``, CSR order; not copied) under this
+        structure, int32 indices (16-bit columns widened into a new tensor)."""
+        columns = self.columns(torch.int32) if self.narrow else self.col_indices
+        # Valid by construction (ascending columns in each row), so not checked again.
+        return torch.sparse_csr_tensor(
+            self.crow_indices, columns, values, self.shape, check_invariants=False
+        )
+
     def to_torch_csr(self, weight: Tensor) -> Tensor:
         """PyTorch sparse CSR tensor of `weight`'s kept values (int32 indices; 16-bit columns
         are widened into a new tensor)."""

@@ -62,6 +62,7 @@ from lightning_sparse.wse.compact import ELEMENTWISE, CompactLayers
 from lightning_sparse.wse.counters import DenseCounter
 from lightning_sparse.wse.inference import FAST, MASK, without_fast
 from lightning_sparse.wse.layer import STATE, LayerState, warn_once
+from lightning_sparse.wse.materialize import Init, materialize
 from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import WSEStats
 
@@ -83,8 +84,13 @@ class WSELinear(nn.Linear):
     """`nn.Linear` whose masked weight runs in CSR. Made by `install_executor`, never directly.
 
     In compact training (`compact.py`) its ``weight`` holds no values between steps; its state
-    dict still holds the dense weight, and loading one turns the layer dense first.
+    dict still holds the dense weight, and loading one turns the layer dense first. A layer
+    built sparse (`materialize`), whose dense weight the model may not hold, writes its weight
+    as a PyTorch sparse CSR tensor (int32 indices, its kept values) and loads one in place,
+    compact (`LayerState.load_csr`); a dense weight loads into it as into any compact layer.
     """
+
+    loads_sparse_csr = True  # a sparse CSR weight in a state dict loads here (`load_csr`)
 
     def forward(self, input: Tensor) -> Tensor:
         fast = self.__dict__.get(FAST)  # the decode fast path, without a registry lookup
@@ -102,13 +108,46 @@ class WSELinear(nn.Linear):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         state = STATE.get(self)
         if state is not None and state.compact is not None:
-            destination[prefix + "weight"] = state.compact.dense_weight()
+            compact = state.compact
+            destination[prefix + "weight"] = (
+                compact.csr.as_torch_csr(compact.values.detach())
+                if state.built_sparse
+                else compact.dense_weight()
+            )
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+    def _load_from_state_dict(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
         state = STATE.get(self)
+        incoming = state_dict.get(prefix + "weight")
+        if torch.is_tensor(incoming) and incoming.layout == torch.sparse_csr:
+            if state is None or not state.built_sparse or state.compact is None:
+                state_dict = {**state_dict, prefix + "weight": incoming.to_dense()}
+            else:
+                try:
+                    state.load_csr(self, incoming)
+                except ValueError as err:
+                    error_msgs.append(f"While loading {prefix}weight: {err}")
+                    return
+                rest = {k: v for k, v in state_dict.items() if k != prefix + "weight"}
+                super()._load_from_state_dict(
+                    rest, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                    error_msgs,
+                )  # fmt: skip
+                missing_keys[:] = [k for k in missing_keys if k != prefix + "weight"]
+                return
         if state is not None and state.compact is not None:
             state.decompact()
-        super()._load_from_state_dict(state_dict, prefix, *args)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
 
 def _execute(module: nn.Module, x: Tensor) -> Tensor | None:
@@ -257,11 +296,15 @@ class WSEExecutor:
         dense again, `compact.release`: the optimizers keep the kept values and their state
         until their next ``step()`` or ``load_state_dict``, when the weights take their place
         back with dense state, so no dense optimizer state is allocated when training ends) and
-        drop the cached CSR structures."""
+        drop the cached CSR structures. A layer built sparse (`materialize`) stays on the
+        device, compact: its dense weight was never in memory and may not fit; the next
+        executor installed on the model takes it over."""
         if self.compact is not None:
             self.compact.release()
         for module in list(self._layers):
             if _owner(module) is self:
+                if _stays(module):
+                    continue
                 STATE.pop(module).fast = None
                 base = type(module).__base__  # nn.Linear, or the HF Conv1D class
                 if _on_device(module) and base is not None and issubclass(base, nn.Module):
@@ -338,7 +381,11 @@ def install_executor(
         ValueError: on an unknown ``path`` or ``inference_dtype``.
         RuntimeError: a layer of ``model`` trains compact under another executor.
     """
-    compact = [n for n, m in model.named_modules() if getattr(STATE.get(m), "compact", None)]
+    compact = [
+        n
+        for n, m in model.named_modules()
+        if getattr(STATE.get(m), "compact", None) and not _stays(m)
+    ]
     if compact:
         raise RuntimeError(
             f"{compact[0] or '<model>'!r} trains compact under another executor (its weight holds "
@@ -357,10 +404,29 @@ def install_executor(
             old = STATE.get(module)
             if old is not None:  # taken over from another executor
                 old.fast = None
-            STATE[module] = LayerState(executor, name, module, in_out=is_hf_conv1d(module))
+            if old is not None and _stays(module):
+                _take_over(executor, old)
+            else:
+                STATE[module] = LayerState(executor, name, module, in_out=is_hf_conv1d(module))
             executor._layers.add(module)
     executor.check_fallbacks()
     return executor
+
+
+def _stays(module: nn.Module) -> bool:
+    """Whether ``module`` is a compact layer built sparse (it stays on the device)."""
+    state = STATE.get(module)
+    return state is not None and state.built_sparse and state.compact is not None
+
+
+def _take_over(executor: WSEExecutor, state: LayerState) -> None:
+    """A layer built sparse, left compact by an executor removed before, runs under
+    ``executor``: its optimizer, if still alive, is hooked by ``executor``'s compact layers."""
+    state.executor = executor
+    compact = state.compact
+    optimizer = None if compact is None else compact.optimizer()
+    if executor.compact is not None and optimizer is not None:
+        executor.compact.add(state, optimizer)
 
 
 @contextmanager
@@ -372,6 +438,7 @@ def on_wse(
     stats: WSEStats | None = None,
     path: str | None = None,
     inference_dtype: str | None = None,
+    init: Init | None = None,
 ) -> Iterator[WSEExecutor]:
     """``with on_wse(model) as executor:`` runs ``model`` on the device inside the block.
 
@@ -388,6 +455,11 @@ def on_wse(
     ``accumulate_grad_batches``: backwards per optimizer step (see `WSEExecutor`; a RigL/GraNet
     update step with more backwards than declared is an error, not a wrong mask). ``stats``,
     ``path``, ``inference_dtype``: as `install_executor`.
+    ``init``: for a model built on the meta device (``with torch.device("meta")``) and applied
+    to there: ``init(name, tensor)`` fills one parameter or buffer (``Llama.init_tensor``). The
+    model is made on the CPU one module at a time, each masked layer compact as soon as it is
+    made, so no dense weight of the whole model ever exists (`materialize`); it equals a dense
+    build with the same ``init`` (``named_parameters`` order), pruned and made compact.
 
     Example (plain PyTorch, compact training)::
 
@@ -433,6 +505,8 @@ def on_wse(
         accumulate_grad_batches=accumulate_grad_batches,
     )
     try:
+        if init is not None:
+            materialize(model, init, optimizers or [])
         yield executor
     finally:
         executor.remove()

@@ -93,6 +93,9 @@ class LayerState:
         self.runners: dict[int, tuple[Callable[[Tensor], Tensor], int, bool]] = {}
         # Compact training (`compact.py`): the layer's compact form, and its path per tokens.
         self.compact: CompactState | None = None
+        # Made from the meta device compact (`materialize`): the model never held its dense
+        # weight, so the layer stays compact when the executor is removed (`built_sparse`).
+        self.built_sparse = False
         self.compact_paths: dict[int, str] = {}
         # A RigL/GraNet update step's backward: the gradient outside the mask that the update
         # can read (`compact.grow_candidates`), kept in place of the dense gradient.
@@ -151,6 +154,8 @@ class LayerState:
         )
         if self.compact is None and not inference:
             self.try_compact(module, mask)
+        elif self.compact is not None and not inference and self.compact.optimizer() is None:
+            self.adopt()
         if self.compact is not None:
             return self._run_compact(x, module, inference)
         csr = self.structure(module, mask)
@@ -207,6 +212,77 @@ class LayerState:
             return
         self.compact = compact_state.to_compact(weight, csr, slot)
         held.hold(weight, self)
+        registry.add(self, slot[0])
+
+    def park(self, module: nn.Module, mask: Tensor) -> None:
+        """Go compact before any optimizer holds the weight (a model built sparse under
+        Lightning, `materialize`): the kept values wait for `adopt`. Only where `try_compact`
+        could apply: an `nn.Linear`'s float32/float64 CPU weight a live algorithm keeps at 0."""
+        weight = module._parameters.get("weight")
+        if self.executor.compact is None or self.in_out or weight is None:
+            return
+        if not weight.requires_grad or weight.dtype not in CSR_DTYPES:
+            return
+        if weight.device.type != "cpu":
+            return
+        csr = self.structure(module, mask)  # finds owners
+        if not self.zeros_kept(module, mask):
+            return
+        self.compact = compact_state.park(weight, csr)
+        held.hold(weight, self)
+
+    def load_csr(self, module: nn.Module, incoming: Tensor) -> None:
+        """Load a sparse CSR ``weight`` (`WSELinear`'s state dict of a layer built sparse) in
+        place: the mask becomes its kept positions, the compact values its values; the
+        optimizer state follows the mask (`mask_changed`) and loads after. Nothing of the
+        weight's size but the mask is made.
+
+        Raises:
+            ValueError: ``incoming`` has another shape, dtype or device, or its entries are not
+                in row order with ascending columns (as this package writes them); nothing is
+                changed then.
+        """
+        compact, mask = self.compact, module._buffers.get(MASK)
+        assert compact is not None and mask is not None
+        shape = tuple(compact.weight.shape)
+        if tuple(incoming.shape) != shape or incoming.dtype != compact.values.dtype:
+            raise ValueError(
+                f"a sparse CSR weight of shape {tuple(incoming.shape)} and {incoming.dtype} does "
+                f"not fit the layer's {shape} {compact.values.dtype} weight"
+            )
+        crow = incoming.crow_indices().to(torch.int64)
+        cols = incoming.col_indices().to(torch.int64)
+        rows = torch.repeat_interleave(torch.arange(shape[0]), crow.diff())
+        flat = rows.mul_(shape[1]).add_(cols)
+        if flat.numel() > 1 and not bool((flat.diff() > 0).all()):
+            raise ValueError(
+                "its entries are not in row order with ascending, distinct columns; write it "
+                "with this package (or sort it: torch.sparse_csr_tensor of sorted indices)"
+            )
+        new_mask = torch.zeros(mask.numel(), dtype=torch.bool, device=mask.device)
+        new_mask[flat.to(mask.device)] = True
+        with torch.no_grad():
+            mask.copy_(new_mask.view(mask.shape))
+        self.mask_changed()  # the structure and the optimizer state follow the new mask
+        compact = self.compact
+        assert compact is not None
+        with torch.no_grad():
+            compact.values.copy_(incoming.values().to(compact.values.device))
+
+    def adopt(self) -> None:
+        """The first training forward of a parked layer (`park`), or of one whose optimizer is
+        gone: the optimizer that now holds the weight steps the values (`compact.adopt`); with
+        none that qualifies, the layer goes dense."""
+        compact, registry = self.compact, self.executor.compact
+        assert compact is not None
+        slot = None
+        if registry is not None:
+            slot = compact_state.find_slot(registry.optimizers(), compact.weight)
+        if slot is None or not compact_state.qualifies(slot[0]):
+            self.decompact()
+            return
+        assert registry is not None
+        compact_state.adopt(compact, slot)
         registry.add(self, slot[0])
 
     def decompact(self) -> None:
@@ -311,8 +387,8 @@ class LayerState:
             return
         self.compact = rebuilt
         optimizer = rebuilt.optimizer()
-        assert optimizer is not None
-        registry.add(self, optimizer)
+        if optimizer is not None:  # None: parked, no optimizer yet (`park`)
+            registry.add(self, optimizer)
 
     def _compact_current(self, module: nn.Module, mask: Tensor | None) -> bool:
         """Whether the compact form still matches the module's weight and mask."""

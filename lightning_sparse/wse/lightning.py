@@ -62,6 +62,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sparse.wse.autotune import PATH_ENV
 from lightning_sparse.wse.executor import WSEExecutor, install_executor
+from lightning_sparse.wse.materialize import Init, materialize
 from lightning_sparse.wse.policy import PATHS
 from lightning_sparse.wse.stats import WSEStats
 
@@ -141,8 +142,34 @@ class WSEAccelerator(CPUAccelerator):
                 f"{type(trainer.strategy).__name__}; use strategy='wse', 'wse_ddp', 'ddp' or auto"
             )
 
+    def materialize(self, trainer: pl.Trainer, init: Init) -> None:
+        """Make the trainer's module, built on the meta device (``LitCausalLM(build_sparse=
+        True)``, which calls this from ``configure_model``, before Lightning loads a checkpoint
+        into it), with ``init``: the executor is installed now and each masked layer goes
+        compact as it is made, parked until the optimizers exist (`materialize`)."""
+        self._install(trainer)
+        materialize(trainer.lightning_module, init, list(trainer.optimizers))
+
     def setup(self, trainer: pl.Trainer) -> None:
-        """Check the configuration, install the executor and the statistics callback."""
+        """Check the configuration, install the executor (unless `materialize` did) and the
+        statistics callback.
+
+        Raises:
+            ValueError: the module still has tensors on the meta device (built sparse without
+                a ``configure_model`` that calls `materialize`).
+        """
+        module = trainer.lightning_module
+        if any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            raise ValueError(
+                f"{type(module).__name__} still has tensors on the meta device when the device "
+                "is set up; make them in its configure_model() with "
+                "trainer.accelerator.materialize(trainer, init) (LitCausalLM(build_sparse=True) "
+                "does)"
+            )
+        if self.executor is None or self._installed_on() is not module:
+            self._install(trainer)
+
+    def _install(self, trainer: pl.Trainer) -> None:
         self.check_trainer(trainer)
         self._trainer = weakref.ref(trainer)
         self.executor = install_executor(
@@ -159,6 +186,10 @@ class WSEAccelerator(CPUAccelerator):
             # First, so DeviceStatsMonitor's on_train_batch_end already sees the closed step.
             callbacks.insert(0, self._monitor)
         rank_zero_info(self.describe())
+
+    def _installed_on(self) -> Any:
+        trainer = self._trainer() if self._trainer is not None else None
+        return None if trainer is None else trainer.lightning_module
 
     def _compacts(self, trainer: pl.Trainer) -> bool:
         """Compact training applies to a fit on one system (a cluster keeps dense state: DDP

@@ -36,6 +36,7 @@ from ..cadences import make_update_schedule
 from ..distributions import LayerSparsity
 from ..filters import ParamFilter, make_param_filter
 from ..init_methods import make_init_method
+from ..install import NewMask
 from ..mask_state import MaskState
 from ..masking import all_finite
 from ..observers import Observers, SparsityHook, UpdateHook
@@ -265,11 +266,24 @@ class SparsityAlgorithm(ABC):
         training starts dense (step 0 is not an update step)."""
         if not self.starts_sparse:
             return torch.ones_like(param, dtype=torch.bool)
+        if param.is_meta:  # built sparse: drawn when the weight is made (`materialize`)
+            return torch.empty(param.shape, dtype=torch.bool, device="meta")
         generator = generator_for(self.mask_state.applied_seed(), 0, name, param.device)
         target, in_out = self.initial_target(name), name in self.in_out_params
         return apply_model.initial_mask(
             name, param, self.init_method, target, generator, self.shaper, in_out
         )
+
+    def materialize(self, name: str) -> None:
+        """``name``'s parameter, applied to on the meta device, now holds its initial values (a
+        model built sparse, `wse.materialize`): draw its mask as ``apply`` would have (same
+        seed, same generator, so the mask a dense build gets), prune the weight and follow it.
+
+        Raises:
+            KeyError: ``name`` is not one of this algorithm's parameters.
+            ValueError: its parameter is still on the meta device.
+        """
+        self.mask_state.materialize(name)
 
     def initial_masks(self, chosen: list[Candidate]) -> list[torch.Tensor]:
         """Initial masks of the chosen ``(name, module, attr, param)`` candidates."""
@@ -340,13 +354,14 @@ class SparsityAlgorithm(ABC):
         grads = [sp.param.grad for sp in self.sparse_params.values()]
         return not all_finite([g for g in grads if g is not None])
 
-    def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
+    def compute_masks(self, targets: dict[str, float]) -> dict[str, NewMask]:
         """New masks by ``update_mask``, one parameter at a time (a sharded one gathered with its
-        gradient first, so top-k sees the whole tensor); frozen parameters keep theirs."""
+        gradient first, so top-k sees the whole tensor; a held one packed, `install.pending`);
+        frozen parameters keep theirs."""
         masks = {}
         for name, sp in self.sparse_params.items():
             if sp.param.requires_grad:  # frozen (PEFT base weights): a fixed mask
-                masks[name] = self.mask_of(name, targets[name])
+                masks[name] = self.mask_state.pending(name, self.mask_of(name, targets[name]))
         return masks
 
     def mask_of(self, name: str, target: float, rule: Rule | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from .. import held, schedules, validate
 from ..cadences import make_update_schedule
-from ..install import by_key
+from ..install import NewMask, by_key
 from ..mask_ops import drop_and_grow, host_select, row_counts
 from ..schedules import ScheduleSpec, UpdateSpec
 from ..shapers import Shaper, Unstructured
@@ -86,7 +86,7 @@ class DropAndGrow(SparsityAlgorithm):
         """The base's, and the drop fraction's repr."""
         return {**super().config(), "drop_fraction": repr(self.drop_fraction)}
 
-    def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
+    def compute_masks(self, targets: dict[str, float]) -> dict[str, NewMask]:
         """The masks of same-shape weights at one target computed together, over their stack
         (a few kernels per shape, not per weight: top-k and drop-and-grow work row by row, so each
         weight gets the mask it gets alone), the others one by one (`mask_of`). Every mask's
@@ -95,8 +95,14 @@ class DropAndGrow(SparsityAlgorithm):
         names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
         groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
         view = self.mask_state.rule_view  # each mask as the rule sees it (whole, [out, in])
-        stacks = [torch.stack([self.shaper.shape(view(n)) for n in g]) for g in groups]
-        masks: dict[str, torch.Tensor] = {}
+        # A weight alone is a view, not a copy (a model built sparse holds no mask twice).
+        stacks = [
+            torch.stack([self.shaper.shape(view(n)) for n in g])
+            if len(g) > 1
+            else self.shaper.shape(view(g[0])).unsqueeze(0)
+            for g in groups
+        ]
+        masks: dict[str, NewMask] = {}
         for group, stack, (lows, highs) in zip(
             groups, stacks, _row_count_ranges(stacks), strict=True
         ):
@@ -107,7 +113,7 @@ class DropAndGrow(SparsityAlgorithm):
                 continue
             for name, low, high in zip(group, lows, highs, strict=True):
                 rule = functools.partial(self.update_mask, count_range=(low, high))
-                masks[name] = self.mask_of(name, targets[name], rule)
+                masks[name] = self.mask_state.pending(name, self.mask_of(name, targets[name], rule))
         return masks
 
     def _batch_key(self, name: str, target: float) -> tuple[Any, ...]:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..distributions import global_magnitude
+from ..install import NewMask
 from ..mask_ops import topk_mask
 from ..schedules import Constant
 from ..sharding import full, shard_like
@@ -44,7 +45,7 @@ class GMP(SparsityAlgorithm):
         """The ramp's end, so the final sparsity is reached whatever the cadence."""
         return self.sparsity.milestones()
 
-    def compute_masks(self, targets: dict[str, float]) -> dict[str, torch.Tensor]:
+    def compute_masks(self, targets: dict[str, float]) -> dict[str, NewMask]:
         """Per parameter, or one global ranking with ``distribution="global"``."""
         if not self.global_ranking:
             return super().compute_masks(targets)

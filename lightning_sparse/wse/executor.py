@@ -536,7 +536,9 @@ def check_compact_training(model: nn.Module, optimizers: Sequence[torch.optim.Op
                 f"({names}); got {type(opt).__name__}. Use one of those, or on_wse(model) "
                 "without optimizer= to train the dense weights on the device"
             )
-    on_device = [name for name, m in model.named_modules() if _owner(m) is not None]
+    on_device = [
+        name for name, m in model.named_modules() if _owner(m) is not None and not _stays(m)
+    ]
     if on_device:
         raise RuntimeError(
             f"the model already runs on the device (layer {on_device[0] or '<model>'!r}): "

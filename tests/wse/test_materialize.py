@@ -209,3 +209,54 @@ def test_build_sparse_refuses_a_model_of_ones_own() -> None:
     assert all(p.is_meta for p in lit.parameters())
     with pytest.raises(ValueError, match=r"knows the default Llama's tensors \(model\.\*\)"):
         lit.init_tensor("val_loss.weight", torch.empty(1))
+
+
+def _built(algorithm: SparsityAlgorithm) -> tuple[Llama, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(CFG)
+    model.apply(algorithm)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    algorithm.apply(optimizer)
+    return model, optimizer
+
+
+def _step(model: Llama, optimizer: torch.optim.Optimizer) -> float:
+    batch = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(2))
+    loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
+def test_a_layer_built_sparse_stays_compact_and_the_next_executor_takes_it_over() -> None:
+    model, optimizer = _built(Static(0.8, seed=1))
+    with on_wse(model, optimizer=optimizer, init=model.init_tensor):
+        _step(model, optimizer)
+    masked = [m for m in model.modules() if hasattr(m, "weight_mask")]
+    assert all(is_placeholder(m.weight) for m in masked)  # never dense, not even after the block
+    with on_wse(model, optimizer=optimizer) as executor:
+        _step(model, optimizer)
+        assert executor.compact is not None
+        assert executor.compact.memory()["state"] > 0  # this executor's layers: the same values
+    assert all(is_placeholder(m.weight) for m in masked)
+
+
+def test_a_sparse_csr_weight_that_does_not_fit_is_refused() -> None:
+    model, optimizer = _built(Static(0.8, seed=1))
+    with on_wse(model, optimizer=optimizer, init=model.init_tensor):
+        state = model.state_dict()
+        key = "layers.0.mlp.up_proj.weight"
+        good = state[key]
+        wrong = torch.zeros(3, 5).to_sparse_csr()
+        with pytest.raises(RuntimeError, match=r"does not fit the layer's"):
+            model.load_state_dict({**state, key: wrong})
+        cols = good.col_indices().clone()
+        cols[:2] = cols[:2].flip(0)  # two columns of the first row out of order
+        unsorted = torch.sparse_csr_tensor(
+            good.crow_indices(), cols, good.values(), good.shape, check_invariants=False
+        )
+        with pytest.raises(RuntimeError, match=r"not in row order with ascending"):
+            model.load_state_dict({**state, key: unsorted})
+        model.load_state_dict(state)  # its own state loads

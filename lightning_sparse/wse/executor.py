@@ -459,7 +459,9 @@ def on_wse(
     to there: ``init(name, tensor)`` fills one parameter or buffer (``Llama.init_tensor``). The
     model is made on the CPU one module at a time, each masked layer compact as soon as it is
     made, so no dense weight of the whole model ever exists (`materialize`); it equals a dense
-    build with the same ``init`` (``named_parameters`` order), pruned and made compact.
+    build with the same ``init`` (``named_parameters`` order), pruned and made compact. Such a
+    model stays compact when the block is left (its dense weights may not fit): its state dict
+    holds sparse CSR weights, and the next `on_wse` takes its layers over.
 
     Example (plain PyTorch, compact training)::
 

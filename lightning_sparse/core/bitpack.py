@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["pack_bits", "packed_size", "unpack_bits"]
+__all__ = ["check_packed", "pack_bits", "packed_size", "unpack_bits"]
 
 
 def _weights(device: torch.device) -> torch.Tensor:
@@ -46,6 +46,19 @@ def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """The bool mask of ``shape`` that `pack_bits` packed into ``packed`` (same device).
 
     Raises:
+        ValueError: ``packed`` is not one (`check_packed`).
+    """
+    shape, numel = check_packed(packed, shape)
+    bits = (packed.unsqueeze(1) & _weights(packed.device)).ne(0).reshape(-1)
+    return bits[:numel].reshape(shape)
+
+
+def check_packed(packed: torch.Tensor, shape: Sequence[int]) -> tuple[tuple[int, ...], int]:
+    """``(shape, numel)`` if ``packed`` is what `pack_bits` makes of a mask of ``shape``, reading
+    only its last byte (one host sync): what `unpack_bits` checks first, for checking every
+    mask of a state before unpacking any.
+
+    Raises:
         ValueError: ``packed`` is not a 1-D ``uint8`` tensor of ``ceil(numel / 8)`` bytes, or
             its padding bits (after the last element) are not 0: the data is corrupt or belongs
             to another shape.
@@ -70,10 +83,10 @@ def unpack_bits(packed: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
             f"packed mask has {packed.numel()} bytes but shape {shape} ({numel} elements) needs "
             f"{expected}"
         )
-    bits = (packed.unsqueeze(1) & _weights(packed.device)).ne(0).reshape(-1)
-    if bool(bits[numel:].any()):
+    pad = expected * 8 - numel
+    if pad and int(packed[-1]) & ((1 << pad) - 1):
         raise ValueError(
             f"packed mask for shape {shape} has bits set after its {numel} elements; it is "
             "corrupt or belongs to another shape"
         )
-    return bits[:numel].reshape(shape)
+    return shape, numel

@@ -334,7 +334,7 @@ class MaskState:
         )
 
     def restore(
-        self, state: Mapping[str, Any], masks: dict[str, torch.Tensor], targets: dict[str, float]
+        self, state: Mapping[str, Any], masks: Mapping[str, torch.Tensor], targets: dict[str, float]
     ) -> None:
         """Restore a checked ``state`` (`saved_state`): the seed, the ever-active sets, the
         saved ``masks`` in place (all ones for a removed algorithm's state) after the values a

@@ -13,13 +13,13 @@ are pure functions over the dict ``state_dict()`` returns; `restore_masks_` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .bitpack import pack_bits, unpack_bits
+from .bitpack import check_packed, pack_bits, unpack_bits
 from .legacy import earlier_ever_active, earlier_targets
 from .masking import PrunedValues
 from .sharding import full, local, shard_like
@@ -27,6 +27,7 @@ from .sparse_parameter import SparseParameter
 
 __all__ = [
     "Expected",
+    "Unpacked",
     "check_state",
     "pack_state",
     "restore_ever_active_",
@@ -197,7 +198,7 @@ def _check_ever_active(state: Mapping[str, Any], expected: Expected) -> None:
             continue
         got = tuple(mask.shape) if torch.is_tensor(mask) else type(mask).__name__
         try:
-            unpack_bits(mask, shape)  # packed like the masks
+            check_packed(mask, shape)  # packed like the masks
         except ValueError as err:
             raise ValueError(
                 f"{expected.owner}: ever_active[{name!r}] has shape {got}; it must be the "
@@ -219,13 +220,14 @@ def saved_ever_active(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
-def saved_masks(state: Mapping[str, Any], owner: str) -> dict[str, torch.Tensor]:
-    """The state's masks unpacked (bool, full shape, CPU): ``{}`` for an earlier version's state
-    (its masks came with the model state dict).
+def saved_masks(state: Mapping[str, Any], owner: str) -> Mapping[str, torch.Tensor]:
+    """The state's masks (bool, full shape, CPU), each unpacked when it is read (`Unpacked`: a
+    model's masks are never all unpacked at once), every one checked first; ``{}`` for an
+    earlier version's state (its masks came with the model state dict).
 
     Raises:
         ValueError: ``"masks"`` is not a dict of packed masks for exactly the state's parameters,
-            or one is corrupt (`unpack_bits`).
+            or one is corrupt (`check_packed`).
     """
     masks = state.get("masks")
     if masks is None:
@@ -242,16 +244,31 @@ def saved_masks(state: Mapping[str, Any], owner: str) -> dict[str, torch.Tensor]
             f"{owner}: sparsity state has masks for other parameters than its "
             f"'params' (differing: {differ[:3]}); the checkpoint is corrupt"
         )
-    out = {}
     for name, packed in masks.items():
         try:
-            out[name] = unpack_bits(packed, shapes[name])
+            check_packed(packed, shapes[name])
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"{owner}: sparsity state masks[{name!r}]: {err}; the checkpoint "
                 "is corrupt, resume from another one"
             ) from None
-    return out
+    return Unpacked(masks, shapes)
+
+
+class Unpacked(Mapping[str, torch.Tensor]):
+    """``{name: bool mask}`` over checked packed masks (`saved_masks`), each unpacked when read."""
+
+    def __init__(self, packed: Mapping[str, torch.Tensor], shapes: Mapping[str, Any]) -> None:
+        self._packed, self._shapes = packed, shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return unpack_bits(self._packed[name], self._shapes[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
 
 
 def saved_targets(

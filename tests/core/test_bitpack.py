@@ -53,3 +53,32 @@ def test_pack_refuses_a_non_bool_mask() -> None:
 def test_unpack_refuses_corrupt_data(packed: object, shape: tuple, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         unpack_bits(packed, shape)  # type: ignore[arg-type]
+
+
+def test_a_state_s_masks_are_checked_whole_and_unpacked_one_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`saved_masks` checks every packed mask (sizes, padding bits: the last byte only) before
+    any is used, and unpacks each only when read, so a large model's masks are never all
+    unpacked at once (a model built sparse resumes within its memory)."""
+    from lightning_sparse.core import saved_state
+
+    masks = {f"w{i}": torch.rand(5, 13) > 0.5 for i in range(3)}
+    state = {
+        "masks": {n: pack_bits(m) for n, m in masks.items()},
+        "params": {n: list(m.shape) for n, m in masks.items()},
+    }
+    unpacked: list[int] = []
+    real = saved_state.unpack_bits
+    monkeypatch.setattr(
+        saved_state,
+        "unpack_bits",
+        lambda *a: unpacked.append(1) or real(*a),  # type: ignore[func-returns-value]
+    )
+    lazy = saved_state.saved_masks(state, "Static")
+    assert unpacked == [] and len(lazy) == 3 and set(lazy) == set(masks)
+    assert torch.equal(lazy["w1"], masks["w1"]) and len(unpacked) == 1
+    corrupt = state["masks"]["w2"].clone()
+    corrupt[-1] |= 1  # a padding bit (65 elements: 7 of the last byte's 8 bits are padding)
+    with pytest.raises(ValueError, match=r"masks\['w2'\].*bits set after its 65 elements"):
+        saved_state.saved_masks({**state, "masks": {**state["masks"], "w2": corrupt}}, "Static")

@@ -238,7 +238,7 @@ class LayerState:
         weight's size but the mask is made.
 
         Raises:
-            ValueError: ``incoming`` has another shape, dtype or device, or its entries are not
+            ValueError: ``incoming`` has another shape or dtype, or its entries are not
                 in row order with ascending columns (as this package writes them); nothing is
                 changed then.
         """

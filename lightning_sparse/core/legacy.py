@@ -50,7 +50,10 @@ class Shim:
     Attributes:
         name: its key in `SHIMS`.
         keeps: what it keeps working.
-        sites: where its code or alias is, ``"module:qualified name"``.
+        sites: where its code or alias is, ``"module:qualified name"`` with the module named
+            from the package (``"lightning.callback:find_sparsity_state"``: the package's
+            ``lightning/callback.py``): names for whoever removes the shim, not imports (the
+            core imports nothing above it).
         removed_in: the release that removes it.
     """
 
@@ -60,7 +63,7 @@ class Shim:
     removed_in: str
 
 
-_CORE = "lightning_sparse.core"
+_CORE = "core"
 SHIMS: dict[str, Shim] = {
     s.name: s
     for s in (
@@ -77,9 +80,9 @@ SHIMS: dict[str, Shim] = {
                 f"{_CORE}.state_dict:checkpoint_masks",
                 f"{_CORE}.state_dict:strip_masks",
                 f"{_CORE}.state_dict:restore_masks",
-                "lightning_sparse.lightning.load_weights:drop_mask_entries",
-                "lightning_sparse.lightning.loading:restore_checkpoint_masks",
-                "lightning_sparse.models.lit_lm:LitCausalLM.on_load_checkpoint",
+                "lightning.load_weights:drop_mask_entries",
+                "lightning.loading:restore_checkpoint_masks",
+                "models.lit_lm:LitCausalLM.on_load_checkpoint",
             ),
             "0.3.0",
         ),
@@ -101,8 +104,8 @@ SHIMS: dict[str, Shim] = {
             (
                 f"{_CORE}.legacy:callbacks_layout_state",
                 f"{_CORE}.legacy:earlier_callback_states",
-                "lightning_sparse.lightning.callback:check_resumable",
-                "lightning_sparse.lightning.callback:find_sparsity_state",
+                "lightning.callback:check_resumable",
+                "lightning.callback:find_sparsity_state",
             ),
             "0.3.0",
         ),
@@ -111,9 +114,9 @@ SHIMS: dict[str, Shim] = {
             "run summaries and FLOP counters saved with totals only, or segments only",
             (
                 f"{_CORE}.legacy:summary_totals",
-                "lightning_sparse.lightning.summary:SparseRunSummary.load_state_dict",
+                "lightning.summary:SparseRunSummary.load_state_dict",
                 f"{_CORE}.flop_account:FlopLedger.load_state_dict",
-                "lightning_sparse.lightning.flop_meter:FlopMeter.load_state_dict",
+                "lightning.flop_meter:FlopMeter.load_state_dict",
             ),
             "0.3.0",
         ),
@@ -122,7 +125,7 @@ SHIMS: dict[str, Shim] = {
             "the transformers Trainer callback's state files with a bool 'masks' dict",
             (
                 f"{_CORE}.legacy:hf_bool_mask_shapes",
-                "lightning_sparse.integrations.hf:SparsityTrainerCallback",
+                "integrations.hf:SparsityTrainerCallback",
             ),
             "0.3.0",
         ),
@@ -130,7 +133,7 @@ SHIMS: dict[str, Shim] = {
             "checkpoint_temporaries",
             "the temporaries an interrupted AtomicCheckpointIO left under earlier names "
             "(.<name>.ckpt.<random>.tmp), removed with the current ones",
-            ("lightning_sparse.lightning.checkpointing:remove_stale_temporaries",),
+            ("lightning.checkpointing:remove_stale_temporaries",),
             "0.3.0",
         ),
         Shim(
@@ -147,14 +150,14 @@ SHIMS: dict[str, Shim] = {
                 f"{_CORE}.algorithms.base:DynamicSparsityAlgorithm",
                 f"{_CORE}.algorithms:DynamicSparsityAlgorithm",
                 f"{_CORE}:DynamicSparsityAlgorithm",
-                "lightning_sparse.lightning:DynamicSparsityAlgorithm",
+                "lightning:DynamicSparsityAlgorithm",
             ),
             "0.3.0",
         ),
         Shim(
             "register_masks",
             "the device's earlier name of core.state_dict.restore_masks (an alias)",
-            ("lightning_sparse.wse.executor:register_masks", "lightning_sparse.wse:register_masks"),
+            ("wse.executor:register_masks", "wse:register_masks"),
             "0.3.0",
         ),
         Shim(
@@ -171,7 +174,7 @@ SHIMS: dict[str, Shim] = {
         Shim(
             "hf_torch_dtype",
             "HFCausalLM(torch_dtype=...), Hugging Face's earlier name of dtype (warns)",
-            ("lightning_sparse.models.hf:HFCausalLM", "lightning_sparse.models.hf:_resolve_dtype"),
+            ("models.hf:HFCausalLM", "models.hf:_resolve_dtype"),
             "0.3.0",
         ),
     )

@@ -12,7 +12,7 @@ its masks (`SparsityAlgorithm.initial_mask`). `materialize` then walks the model
    ``named_parameters`` (`models.llama.Llama.reset_parameters`);
 3. draws the masks of its masked parameters (`SparsityAlgorithm.materialize`: the seed and the
    per-parameter generator of ``apply``, so the masks a dense build gets) and prunes them;
-4. tells ``made(module)``: the device (`lightning_sparse.wse.materialize`) moves each masked
+4. tells ``made(module)``: the device (the package's ``wse/materialize.py``) moves each masked
    layer to compact form there, so at most one module's dense weight exists at a time and the
    model never holds more than its unmasked tensors, the masks (one byte per masked weight)
    and the compact layers. Without it (the cpu path) the model ends whole, pruned.

@@ -240,12 +240,9 @@ class MaskState:
                 f"{self.name}: {name!r} is still on the meta device; give it its values "
                 "(a device and an initialisation) before drawing its mask"
             )
-        mask = self.owner.initial_mask(name, param.detach())
-        sp.register_mask(mask)
-        if self.track_itop:
-            sp.register_ever_active(mask.clone())
+        sp.register_mask(self.owner.initial_mask(name, param.detach()))
         self.hooks.adopt(sp)
-        sp.prune_()
+        apply_model.commit_masks([sp], self.track_itop)  # pruned, its ever-active set, as apply
 
     # ------------------------------------------------------------------ 2. an update
     def rule_param(self, name: str) -> torch.Tensor:

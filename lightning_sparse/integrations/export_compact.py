@@ -21,14 +21,11 @@ import torch
 from lightning_sparse.core.state_dict import strip_masks
 from lightning_sparse.integrations.compressed import compress_state_dict, record_sparsity
 from lightning_sparse.integrations.llama_to_hf import hf_llama_config, hf_llama_name
+from lightning_sparse.models.lit_lm import llama_config
 from lightning_sparse.models.llama import LlamaConfig
 
 __all__ = ["compact_llama", "write_compressed"]
 
-_CONFIG_FIELDS = (
-    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-    "rope_theta", "norm_eps", "tie_embeddings",
-)  # fmt: skip
 _CLASS = "lightning_sparse.models.LitCausalLM"
 
 
@@ -42,7 +39,7 @@ def compact_llama(checkpoint: dict[str, Any]) -> tuple[LlamaConfig, dict[str, An
         return None
     if not any(torch.is_tensor(v) and v.layout == torch.sparse_csr for v in state.values()):
         return None
-    cfg = LlamaConfig(**{k: hparams[k] for k in _CONFIG_FIELDS if k in hparams})
+    cfg = llama_config(hparams)
     weights = {k.removeprefix("model."): v for k, v in strip_masks(state).items()}
     if cfg.tie_embeddings:
         weights.pop("lm_head.weight", None)  # transformers ties it to the embedding

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -24,6 +25,19 @@ from lightning_sparse.models.llama import Llama, LlamaConfig, generate
 if TYPE_CHECKING:
     from lightning.fabric.utilities.data import AttributeDict
     from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+
+
+LLAMA_ARGS = (
+    "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
+    "rope_theta", "norm_eps", "tie_embeddings",
+)  # fmt: skip
+"""The `LlamaConfig` fields `LitCausalLM` takes as arguments (its hyper-parameters)."""
+
+
+def llama_config(args: Mapping[str, Any]) -> LlamaConfig:
+    """The default model's config from `LitCausalLM`'s arguments or saved hyper-parameters
+    (missing ones take `LlamaConfig`'s defaults)."""
+    return LlamaConfig(**{k: args[k] for k in LLAMA_ARGS if k in args})
 
 
 def warmup_cosine(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -108,18 +122,9 @@ class LitCausalLM(L.LightningModule):
             )
         if model is None:
             with torch.device("meta") if build_sparse else contextlib.nullcontext():
-                model = self._llama(locals())
+                model = Llama(llama_config(locals()))
         self.model = model
         self.val_loss = MeanMetric()
-
-    @staticmethod
-    def _llama(args: dict) -> Llama:
-        """The default model from the constructor's arguments."""
-        keys = (
-            "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len",
-            "rope_theta", "norm_eps", "tie_embeddings",
-        )  # fmt: skip
-        return Llama(LlamaConfig(**{k: args[k] for k in keys}))
 
     def init_tensor(self, name: str, t: Tensor) -> None:
         """Initialise this module's parameter or buffer ``name`` in place, as a dense build

@@ -276,7 +276,7 @@ class SparsityAlgorithm(ABC):
 
     def materialize(self, name: str) -> None:
         """``name``'s parameter, applied to on the meta device, now holds its initial values (a
-        model built sparse, `wse.materialize`): draw its mask as ``apply`` would have (same
+        model built sparse, `core.materialize`): draw its mask as ``apply`` would have (same
         seed, same generator, so the mask a dense build gets), prune the weight and follow it.
 
         Raises:

@@ -24,9 +24,12 @@ positions and swaps the parameter in the optimizer; `to_dense` scatters them bac
 or nothing: every new tensor is built before anything is swapped. Pruned positions hold exact
 zeros in the dense form (the per-step path keeps them so), so a round trip loses nothing.
 
-Checkpoints keep the cpu format: `state_dict_hook` writes the dense weight into a model state
-dict, `optimizer_state_dict_hook` the dense moments into an optimizer state dict; loading either
-turns the layers dense first (the loaded tensors then land in the ordinary places).
+Checkpoints keep the cpu format: `WSELinear`'s state dict holds the dense weight, the
+optimizer's state dict (`CompactLayers`) the dense moments; loading either turns the layers
+dense first (the loaded tensors then land in the ordinary places). A layer built sparse
+(`wse.materialize`), whose dense form the model may not hold, is the exception: its weight is
+written as a sparse CSR tensor, its moments stay ``[nnz]``, both load compact, and it stays
+compact when the device is removed.
 
 Only optimizers whose update is elementwise per parameter qualify (`ELEMENTWISE`): for them
 stepping the kept values equals stepping the masked dense weight. Others (Adafactor's factored
@@ -103,6 +106,11 @@ class CompactState:
         self.optimizer: Callable[[], torch.optim.Optimizer | None] = (
             _no_optimizer if optimizer is None else weakref.ref(optimizer)
         )
+
+    @property
+    def parked(self) -> bool:
+        """Whether no optimizer has held the values yet (`park`)."""
+        return self.optimizer is _no_optimizer
 
     def dense_weight(self) -> Tensor:
         """The dense ``[out, in]`` weight (a new tensor; zeros at pruned positions)."""
@@ -259,7 +267,7 @@ def rebuild(
     one replaces it (None: the optimizer is gone, the layer goes dense, pruned); a parked
     layer's (`park`) stays parked, its values moved.
     """
-    if compact.optimizer is _no_optimizer:  # parked (`park`): only the values move
+    if compact.parked:  # only the values move
         with torch.no_grad():
             values = nn.Parameter(
                 _mover(compact.csr.flat_indices(), csr.flat_indices())(compact.values.detach()),
@@ -466,7 +474,8 @@ class CompactLayers:
         self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
     ) -> dict[str, Any]:
         """Optimizer state-dict post-hook: each compact layer's state as the cpu path holds it
-        (weight-shaped, zeros at pruned positions), so checkpoints keep the cpu format."""
+        (weight-shaped, zeros at pruned positions), so checkpoints keep the cpu format; a layer
+        built sparse keeps its ``[nnz]`` state (its dense form may not fit)."""
         state = state_dict["state"]
         params = [p for group in optimizer.param_groups for p in group["params"]]
         for index, param in enumerate(params):

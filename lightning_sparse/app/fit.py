@@ -71,6 +71,7 @@ from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
 from lightning_sparse.lightning import SparseRunSummary
 from lightning_sparse.lightning.callback import check_resumable
 from lightning_sparse.recipes import RECIPES_DIR
+from lightning_sparse.wse.lightning import UnsupportedConfiguration
 
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
@@ -213,6 +214,8 @@ class SparseCLI(LightningCLI):
                 raise CLIError(str(err)) from err
         try:
             super()._run_subcommand(subcommand)
+        except UnsupportedConfiguration as refused:  # the device's check, before any step
+            raise CLIError(f"{refused}; nothing was trained") from refused
         except SIGTERMException as stop:  # a SystemExit that would end the process with 0
             last = last_checkpoint(self.trainer)
             # In a run directory, "last" continues there; elsewhere the file itself.

@@ -33,7 +33,7 @@ from . import applied
 from .algorithms import SparsityAlgorithm
 from .sparse_parameter import ever_active_buffer_name, mask_buffer_name
 
-__all__ = ["Init", "materialize"]
+__all__ = ["Init", "materialize", "placeholders_for_meta"]
 
 Init = Callable[[str, Tensor], None]
 """``init(name, tensor)``: fill the parameter or buffer ``name`` (full dotted name) in place."""
@@ -143,3 +143,24 @@ def _replace_in(optimizers: Sequence[torch.optim.Optimizer], old: Tensor, new: T
     for optimizer in optimizers:
         for group in optimizer.param_groups:
             group["params"] = [new if p is old else p for p in group["params"]]
+
+
+def placeholders_for_meta(model: nn.Module) -> None:
+    """Give each tensor of ``model`` still on the meta device a CPU stand-in without storage
+    (one zero expanded to its shape): for a model that will never be made (its run failed
+    before, a refused configuration), so that moving it (Lightning's teardown calls ``.cpu()``)
+    works and the error a user sees is the one that stopped the run. Tied tensors stay tied."""
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for store in (module._parameters, module._buffers):
+            for key, t in list(store.items()):
+                if t is None or not t.is_meta:
+                    continue
+                if id(t) not in done:
+                    stand_in = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                    done[id(t)] = (
+                        nn.Parameter(stand_in, requires_grad=t.requires_grad)
+                        if isinstance(t, nn.Parameter)
+                        else stand_in
+                    )
+                store[key] = done[id(t)]  # type: ignore[assignment]

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchmetrics import MeanMetric
 
-from lightning_sparse.core.materialize import materialize
+from lightning_sparse.core.materialize import materialize, placeholders_for_meta
 from lightning_sparse.lightning.clipping import clip_gradients
 from lightning_sparse.lightning.loading import restore_checkpoint_masks
 from lightning_sparse.models.llama import Llama, LlamaConfig, generate
@@ -148,6 +148,11 @@ class LitCausalLM(L.LightningModule):
         else:
             materialize(self, self.init_tensor, [])
 
+    def configure_callbacks(self) -> list[L.Callback]:
+        """Built sparse: `_LeftOnMeta`, so a run refused before the model is made ends with its
+        refusal."""
+        return [_LeftOnMeta()] if self.hparams.get("build_sparse") else []
+
     def forward(self, idx: Tensor) -> Tensor:
         """idx: [B, T] -> logits [B, T, V]."""
         return self.model(idx)
@@ -261,6 +266,18 @@ class LitCausalLM(L.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+class _LeftOnMeta(L.Callback):
+    """A run that fails before its module built sparse is made (a configuration the device
+    refuses): the tensors still on the meta device get stand-ins without storage
+    (`placeholders_for_meta`), so Lightning's teardown can move the module to the CPU and the
+    error the user sees is the refusal, not that move."""
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        placeholders_for_meta(pl_module)
 
 
 def _dense_where_needed(module: nn.Module, state_dict: dict | None) -> None:

@@ -68,6 +68,7 @@ from lightning_sparse.wse.stats import WSEStats
 
 __all__ = [
     "SUPPORTED_PRECISIONS",
+    "UnsupportedConfiguration",
     "WSEAccelerator",
     "WSEDDPStrategy",
     "WSEStatsMonitor",
@@ -78,15 +79,20 @@ __all__ = [
 SUPPORTED_PRECISIONS = ("32-true", "64-true")
 
 
+class UnsupportedConfiguration(ValueError):
+    """The device refuses the trainer's configuration (its precision or strategy), before
+    anything is modified; the message names the value, the rule and the fix."""
+
+
 def check_precision(plugin: Precision) -> None:
     """Raise unless ``plugin`` runs float32 or float64 weights without autocast.
 
     Raises:
-        ValueError: naming the precision, the rule and the fix.
+        UnsupportedConfiguration: naming the precision, the rule and the fix.
     """
     precision = getattr(plugin, "precision", None)
     if precision not in SUPPORTED_PRECISIONS:
-        raise ValueError(
+        raise UnsupportedConfiguration(
             f"accelerator='wse' does not support precision={precision!r}: its CSR kernels run "
             f"float32/float64 weights without autocast, so use precision in "
             f"{SUPPORTED_PRECISIONS}, or accelerator='cpu' for mixed or half precision"
@@ -133,11 +139,11 @@ class WSEAccelerator(CPUAccelerator):
         leaves the model and the algorithm exactly as they were.
 
         Raises:
-            ValueError: naming the precision or strategy, the rule and the fix.
+            UnsupportedConfiguration: naming the precision or strategy, the rule and the fix.
         """
         check_precision(trainer.precision_plugin)
         if not isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy):
-            raise ValueError(
+            raise UnsupportedConfiguration(
                 f"accelerator='wse' runs on one system or data parallel over several, not with "
                 f"{type(trainer.strategy).__name__}; use strategy='wse', 'wse_ddp', 'ddp' or auto"
             )

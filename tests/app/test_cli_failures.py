@@ -436,3 +436,25 @@ def test_a_precision_plugin_whose_package_is_missing_is_a_short_error(tmp_path: 
     assert "ModuleNotFoundError: Requirement 'transformer_engine" in message
     assert "Traceback" not in message and len(message.splitlines()) == 3
     assert list(tmp_path.glob("outputs/**/version_*")) == []
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [[], ["--config", str(REPO / "recipes" / "rigl_llama_3b_wse.yaml")]],
+    ids=["default", "built-sparse"],
+)
+def test_a_precision_the_device_refuses_is_one_line(
+    recipe: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The device's refusal comes during fit (the sparsity callback asks it first): one line,
+    nothing trained, no run folder left; a model built sparse (still on the meta device when
+    the refusal comes) ends the same way, not with Lightning failing to move it."""
+    small = ["--model.n_heads", "4", "--model.ffn_hidden", "64"] if recipe else []
+    line = one_line_failure(
+        ["fit", *recipe, *TINY, *small, *CSV, "--trainer.accelerator", "wse",
+         "--trainer.precision", "bf16-mixed"],
+        capsys,
+    )  # fmt: skip
+    assert "accelerator='wse' does not support precision='bf16-mixed'" in line
+    assert line.endswith("; nothing was trained")
+    assert list(tmp_path.glob("outputs/**/version_*")) == []

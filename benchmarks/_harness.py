@@ -245,16 +245,22 @@ def run_interleaved(
     batches: list[torch.Tensor],
     warmup: int,
     steps: int,
+    progress: Callable[[str], object] | None = None,
 ) -> dict[str, list[float]]:
     """Warm up every run, then time ``steps`` rounds of one step each, rotating the order.
 
     Rotation spreads background load over the variants alike. Runs with ``reset_records()``
     (`PlainRun`'s phase records) are reset after the warm-up, so records cover the timed rounds.
+    ``progress``, if given, is told the seconds of each warm-up step (the first compiles) and of
+    every tenth timed round, so a run stopped at a time limit says where it was.
     """
     names = list(runs)
     for i in range(warmup):
         for name in names:
+            began = time.perf_counter()
             runs[name].step(batches[i])
+            if progress is not None:
+                progress(f"warm-up {i + 1}/{warmup} {name}: {time.perf_counter() - began:.2f} s")
     for run in runs.values():
         reset = getattr(run, "reset_records", None)
         if reset is not None:
@@ -264,6 +270,8 @@ def run_interleaved(
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             times[name].append(runs[name].step(batches[warmup + r]))
+        if progress is not None and ((r + 1) % 10 == 0 or r + 1 == steps):
+            progress(f"timed round {r + 1}/{steps}")
     return times
 
 

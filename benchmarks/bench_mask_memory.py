@@ -4,8 +4,10 @@ Beyond the weights and the optimizer's own state, sparsity costs the bool mask (
 weight) and, where ITOP is tracked (RigL, SET, GraNet by default), the ever-active set (1 B).
 Anything else the algorithm holds across steps is counted too (`held.bytes_per_masked_weight`:
 its buffers on the model and every tensor reachable from it that is not the model's or the
-optimizer's). The GPU's path is taken on the CPU (`step_ops.as_on_a_gpu`): it is the path that
-once kept an integer copy of each mask for the fused foreach product (4 B per fp32 weight).
+optimizer's; 0-d tensors, the last update's figures, cost so much per masked tensor, not per
+weight, and are given apart as ``scalars``). The GPU's path is taken on the CPU
+(`step_ops.as_on_a_gpu`): it is the path that once kept an integer copy of each mask for the
+fused foreach product (4 B per fp32 weight).
 
 A plain loop over the package's `Llama` (every linear weight of the blocks masked, sparsity
 0.8, fused AdamW) runs a few steps, a mask update included, in fp32 and in bf16; then the bytes
@@ -72,7 +74,7 @@ def measure(kind: str, dtype: torch.dtype, gpu_path: bool, dim: int, layers: int
     path = "gpu" if gpu_path else "cpu"
     return (
         f"{kind:<7} {str(dtype).removeprefix('torch.'):<9} {path:<5} {itop:<5} "
-        f"{per_weight:>8.2f} {kinds['buffers']:>10} {kinds['held']:>9}"
+        f"{per_weight:>8.2f} {kinds['buffers']:>10} {kinds['held']:>9} {kinds['scalars']:>8}"
     )
 
 
@@ -112,7 +114,7 @@ def main() -> None:
     print(machine_facts())
     print(f"Llama dim {args.dim}, {args.layers} blocks, sparsity 0.8, {STEPS} steps, fused AdamW")
     print(f"{'kind':<7} {'dtype':<9} {'path':<5} {'itop':<5} {'B/weight':>8}", end="")
-    print(f" {'buffers':>10} {'held':>9}")
+    print(f" {'buffers':>10} {'held':>9} {'scalars':>8}")
     for kind in ("static", "rigl"):
         for dtype in (torch.float32, torch.bfloat16):
             for gpu_path in (False, True):

@@ -4,8 +4,9 @@
 # (benchmarks/gpu_wheels.sh fills it), then run, each part with a time limit, going on past a
 # failing part:
 #   cuda   the CUDA tests:            pytest -m cuda (the test files that mark tests cuda)
-#   suite  the suite (not slow):      pytest -m "not slow and not cuda" tests/core tests/lightning
-#                                     tests/wse tests/integrations tests/models
+#   suite  the suite (not slow):      pytest -m "not slow and not cuda", one process per folder
+#                                     side by side: tests/core tests/lightning tests/wse
+#                                     tests/integrations tests/models
 #   fit    the main job on the GPU:   lightning-sparse fit (the default recipe, accelerator auto),
 #                                     its validation loss and wall time
 #   bench  the per-step cost:         python benchmarks/bench_gpu_step.py
@@ -19,7 +20,8 @@
 #
 # --dry-run runs anywhere (CI runs it: tests/app/test_gpu_check.py): it checks the Python, the
 # wheel folder (when there is one) and the commands, prints the plan, and runs each part in a
-# tiny CPU form (collection for the tests, --print_config for the job, --help for the benchmark).
+# tiny CPU form (collection for the tests, --print_config for the job, the benchmark's
+# --quick --device cpu).
 # Its figures mean nothing: a dry run's table says only that each command starts.
 #
 # Usage: bash benchmarks/gpu_check.sh [--dry-run] [--parts cuda,suite,fit,bench] [--out DIR]
@@ -33,7 +35,7 @@ dry=0
 parts="cuda,suite,fit,bench"
 out=${OUT:-$repo/gpu_check_logs}
 wheels=$repo/.whl
-declare -A limit=([cuda]=75 [suite]=210 [fit]=140 [bench]=85)
+declare -A limit=([cuda]=75 [suite]=180 [fit]=160 [bench]=95)
 # What each part cannot run without (benchmarks/gpu_wheels.py IMPORTS names them).
 declare -A needs=([cuda]="pytest" [suite]="pytest hypothesis" [fit]="jsonargparse" [bench]="")
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; }
@@ -182,7 +184,7 @@ if [ $dry = 1 ]; then
     for part in ${parts//,/ }; do
         case $part in
             cuda) command="$py -m pytest -q -m cuda \$(grep -rl --include='test_*.py' mark.cuda tests)" ;;
-            suite) command="$py -m pytest -q -m 'not slow and not cuda' $suite_dirs" ;;
+            suite) command="$py -m pytest -q -rf -m 'not slow and not cuda' DIR, one per folder of $suite_dirs, side by side" ;;
             fit) command="(cd $out/fit_run && $py -m lightning_sparse.app.cli fit)" ;;
             bench) command="$py benchmarks/bench_gpu_step.py" ;;
         esac
@@ -216,8 +218,25 @@ for part in ${parts//,/ }; do
                 done
                 run_part suite "${tests_note}collected: " "$py" -m pytest -q --collect-only -p no:cacheprovider -m "not slow and not cuda" tests/models
             else
+                # One pytest per folder, side by side (the machine has 16 cores; one process
+                # alone got through half the suite in 200 s on the H200), each with its own log
+                # suite_<folder>.log; suite.log gets each one's last line and its failures.
                 # shellcheck disable=SC2086
-                run_part suite "$tests_note" "$py" -m pytest -q -p no:cacheprovider -m "not slow and not cuda" $suite_dirs
+                run_part suite "$tests_note" bash -c '
+                    py=$1 out=$2; shift 2
+                    for dir in "$@"; do
+                        "$py" -m pytest -q -rf -p no:cacheprovider -m "not slow and not cuda" \
+                            "$dir" >"$out/suite_${dir##*/}.log" 2>&1 &
+                    done
+                    status=0
+                    for job in $(jobs -p); do wait "$job" || status=1; done
+                    for dir in "$@"; do
+                        grep "^FAILED\|^ERROR" "$out/suite_${dir##*/}.log"
+                    done
+                    for dir in "$@"; do
+                        echo "$dir: $(tail -n 1 "$out/suite_${dir##*/}.log")"
+                    done
+                    exit $status' "$py" "$out" $suite_dirs
             fi ;;
         fit)
             mkdir -p "$out/fit_run"
@@ -244,7 +263,7 @@ EOF
             fi ;;
         bench)
             if [ $dry = 1 ]; then
-                run_part bench "" "$py" benchmarks/bench_gpu_step.py --help
+                run_part bench "" "$py" benchmarks/bench_gpu_step.py --quick --device cpu
             else
                 run_part bench "" "$py" benchmarks/bench_gpu_step.py
             fi ;;

@@ -53,7 +53,12 @@ def bytes_per_masked_weight(
 ) -> tuple[float, dict[str, int]]:
     """What ``algorithm`` adds to ``model`` beyond the weights and the optimizer's state, per
     masked weight: the buffers it registered (masks, ever-active sets) and every tensor it holds
-    that is none of the model's or the optimizer's. Returns the figure and the bytes by kind."""
+    that is none of the model's or the optimizer's. Returns the figure and the bytes by kind.
+
+    0-d tensors it holds (the last update's figures, a few per masked tensor, kept on the device
+    so that reading them is no host sync) are a cost per masked tensor, not per weight: they are
+    left out of the figure and given as ``kinds["scalars"]`` (on a small model they would
+    otherwise read as a fraction of a byte per weight)."""
     params = {id(p) for p in model.parameters()}
     owned = {t.untyped_storage().data_ptr() for t in model.parameters()}
     owned |= {
@@ -72,5 +77,9 @@ def bytes_per_masked_weight(
         and not t.is_meta
     ]
     masked = sum(b.numel() for n, b in model.named_buffers() if n.endswith("_mask"))
-    kinds = {"buffers": _storage_bytes(buffers), "held": _storage_bytes(held)}
-    return sum(kinds.values()) / max(masked, 1), kinds
+    kinds = {
+        "buffers": _storage_bytes(buffers),
+        "held": _storage_bytes([t for t in held if t.ndim > 0]),
+        "scalars": _storage_bytes([t for t in held if t.ndim == 0]),
+    }
+    return (kinds["buffers"] + kinds["held"]) / max(masked, 1), kinds

@@ -1,6 +1,6 @@
 """Smoke tests: `bench_step_cost.py --quick`, `bench_dynamic_cost.py --quick` and
 `bench_gpu_step.py --quick` run end to end and print their tables (the GPU one, on a machine
-without CUDA, only its "skipped: no CUDA" line).
+without CUDA, only its "skipped: no CUDA" line; with ``--device cpu`` its table on the CPU).
 
 No timing assertions: the numbers depend on the machine and its load; only the shape of the
 report is checked (every variant timed, the goal lines and verdicts printed, exit status 0).
@@ -68,13 +68,23 @@ CASES = {
         absent=(),
     ),
 }
+# The GPU benchmark's own loop on the CPU (`--device cpu`), so that CI runs its code too.
+CASES["bench_gpu_step.py --device cpu"] = dict(
+    CASES["bench_gpu_step.py"],
+    needs_cuda=False,
+    present={
+        **CASES["bench_gpu_step.py"]["present"],
+        "machine facts": ("torch ", "no GPU: --device cpu", "date "),
+    },
+)
 
 
 @pytest.mark.parametrize("script", list(CASES))
 def test_bench_quick_prints_the_table(script: str) -> None:
     case = CASES[script]
+    name, *args = script.split()
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick"],
+        [sys.executable, str(ROOT / "benchmarks" / name), "--quick", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

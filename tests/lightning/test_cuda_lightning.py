@@ -29,6 +29,34 @@ from tests.lightning.test_amp import (
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
+class WhereDuringFit(pl.Callback):
+    """The device types of the algorithm's weights, masks and ever-active masks after every
+    training batch: while it trains, not after ``fit``, whose teardown moves the module (and with
+    it the masks) back to the CPU."""
+
+    def __init__(self, sparsity: SparsityAlgorithm) -> None:
+        self.sparsity = sparsity
+        self.seen: set[tuple[str, str]] = set()
+
+    def on_train_batch_end(self, *args: object) -> None:
+        for sp in self.sparsity.sparse_params.values():
+            self.seen |= {("weight", sp.param.device.type), ("mask", sp.mask.device.type)}
+        self.seen |= {("ever_active", m.device.type) for m in self.sparsity.ever_active.values()}
+
+
+def assert_on_device_in_fit_then_with_the_module(
+    where: WhereDuringFit, module: pl.LightningModule, device: str
+) -> None:
+    """Every weight and mask on ``device`` at every step; after ``fit`` each mask still beside
+    its weight, wherever Lightning's teardown left the module (the CPU, from a GPU)."""
+    kinds = {"weight", "mask"} | ({"ever_active"} if where.sparsity.ever_active else set())
+    assert where.seen == {(kind, device) for kind in kinds}, where.seen
+    after = next(module.parameters()).device
+    for sp in where.sparsity.sparse_params.values():
+        assert sp.param.device == sp.mask.device == after
+    assert all(m.device == after for m in where.sparsity.ever_active.values())
+
+
 class InjectingModule(TinyModule):
     """Injects inf into ``net.0.weight``'s gradient at batch ``at``, at the first kept (or
     pruned) position of the live mask (on whatever device the mask is)."""
@@ -46,7 +74,12 @@ class InjectingModule(TinyModule):
 
 
 def fit(
-    module: TinyModule, sparsity: SparsityAlgorithm, device: str, precision: str, max_steps: int
+    module: TinyModule,
+    sparsity: SparsityAlgorithm,
+    device: str,
+    precision: str,
+    max_steps: int,
+    *more: pl.Callback,
 ) -> pl.Trainer:
     module.sparsity = sparsity
     amp: dict[str, object] = {"precision": precision}
@@ -56,7 +89,7 @@ def fit(
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
         max_steps=max_steps,
-        callbacks=[sparsity],
+        callbacks=[sparsity, *more],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -74,13 +107,13 @@ def test_lightning_amp_rigl_keeps_exact_sparsity_on_the_device(device: str, prec
         pytest.skip("this GPU has no bf16")
     module = TinyModule()
     sparsity = RigL(sparsity=0.8, update={"freq": 2}, seed=0)
-    trainer = fit(module, sparsity, device, precision, max_steps=5)
+    where = WhereDuringFit(sparsity)
+    trainer = fit(module, sparsity, device, precision, 5, where)
     assert (getattr(trainer.precision_plugin, "scaler", None) is not None) == (
         precision == "16-mixed"
     )
     assert sparsity.step == 5 == trainer.global_step
-    for sp in sparsity.sparse_params.values():
-        assert sp.mask.device.type == device
+    assert_on_device_in_fit_then_with_the_module(where, module, device)
     assert_module_sparse(module, sparsity, 0.8, trainer.optimizers[0])
     first, last = module.records[0][1], module.records[-1][1]
     assert not equal_dicts(first, last), "RigL with freq 2 changed no mask in 5 steps"
@@ -123,10 +156,9 @@ def test_model_built_on_the_cpu_moved_by_the_trainer(device: str, name: str) -> 
     module = TinyModule()
     assert module.net[0].weight.device.type == "cpu"
     sparsity = EVERY_ALGORITHM[name]()
-    trainer = fit(module, sparsity, device, "32-true", max_steps=5)
+    where = WhereDuringFit(sparsity)
+    trainer = fit(module, sparsity, device, "32-true", 5, where)
     assert sparsity.step == 5 == trainer.global_step
     assert sparsity.last_update_step == (-1 if name == "static" else 4)
-    for sp in sparsity.sparse_params.values():
-        assert sp.param.device.type == sp.mask.device.type == device
-    assert all(m.device.type == device for m in sparsity.ever_active.values())
+    assert_on_device_in_fit_then_with_the_module(where, module, device)
     assert_module_sparse(module, sparsity, 0.75, trainer.optimizers[0])

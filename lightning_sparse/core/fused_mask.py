@@ -9,11 +9,18 @@ own memory. Here the product is compiled instead (``torch.compile``, TorchInduct
 foreach product with each mask cast to its view's dtype becomes one fused in-place kernel that
 reads the bool mask and writes the view, so the masks cost their bool bytes only.
 
-What it costs: one compilation per list of a new composition on the first step, cached on
-disk by TorchInductor for later runs. The sizes are compiled as symbols (``dynamic=True``), so
-a composition is the list's length, its dtypes and ranks, and which sizes are equal; a step's
-lists are the same every step (the gradients, the weights, the optimizer state), so a run
-compiles a handful; a process that trains several models (a sweep, a test
+What it costs: one compilation per list of a new composition on the first steps, cached on
+disk by TorchInductor for later runs. The sizes are compiled as symbols (``dynamic=True``) with
+no equalities assumed between them (``use_duck_shape=False``: else two sizes that happen to be
+equal on the first call are assumed equal, and a list where they differ compiles again), and a
+list is compiled in chunks of `CHUNK` tensors, so a composition is a chunk's length (`CHUNK`, or
+the remainder of a list), its dtypes and ranks, and which of its masks are one tensor (the
+optimizer state's two moments share their weight's mask). A step's lists are the same every
+step (the gradients, the weights, the optimizer state), so a run compiles a handful of small
+kernels (unchunked, each list of a 12-block Llama compiled one kernel over 84 or 168 tensors,
+several times slower to compile: `bench_mask_memory.py --first-steps`, benchmarks/README.md's
+"Figures behind the code"). The price of chunking: one call per chunk, each with TorchDynamo's
+fixed host cost for its guards. A process that trains several models (a sweep, a test
 session) compiles a handful for each, so TorchDynamo's recompile limit is raised to
 `RECOMPILE_LIMIT` for this function while it runs (its default, 8, is per function). Past it,
 TorchDynamo warns and the product runs eagerly: correct, with a transient integer copy of each
@@ -23,13 +30,14 @@ a launch per tensor; a warning says so once. Under a ``TorchDispatchMode`` (the 
 of ``benchmarks/step_ops.py``) TorchDynamo does not compile: the product then runs eagerly.
 
 The product is the op ``lightning_sparse::mul_by_masks_``, so a launch counter sees it as one
-op (one fused kernel on the GPU, one per chunk of about a hundred tensors). Host time per call:
+op (on the GPU one fused kernel per chunk of `CHUNK` tensors). Host time per call:
 TorchDynamo's guards, a few microseconds per tensor (`benchmarks/bench_mask_memory.py` measures
 it and the memory; docs/gpu.md says why this way).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -54,9 +62,19 @@ def _per_tensor(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
         view.mul_(mask)
 
 
+CHUNK = 32  # tensors per compiled call (module docstring)
 RECOMPILE_LIMIT = 64  # compositions compiled in one process (module docstring)
 _compiled: Callable[..., Any] | None = None
 _broken = False  # compilation failed once in this process: the per-tensor product from now on
+
+
+def _no_duck_shapes() -> contextlib.AbstractContextManager[object]:
+    """Meanwhile, sizes equal on a first call are not assumed equal (module docstring); a torch
+    without the setting compiles as before."""
+    config = torch.fx.experimental._config
+    if not hasattr(config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return config.patch(use_duck_shape=False)  # type: ignore[attr-defined]  # install_config_module
 
 
 def _mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
@@ -68,8 +86,9 @@ def _mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None
     if _compiled is None:
         _compiled = torch.compile(_product, dynamic=True)
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            _compiled(views, masks)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), _no_duck_shapes():
+            for start in range(0, len(views), CHUNK):
+                _compiled(views[start : start + CHUNK], masks[start : start + CHUNK])
     except Exception as error:  # any backend failure: the eager product is exact
         _broken = True
         log.warning(

@@ -131,3 +131,43 @@ def test_the_gpu_path_prunes_a_list_in_one_op_with_no_copy_of_a_mask() -> None:
     with as_on_a_gpu(), OpCounter() as counter:
         zero_pruned_foreach_([t for t, _ in pairs], [m for _, m in pairs])
     assert dict(counter.counts.kernels) == {"mul_by_masks_": 1}
+
+
+def test_the_compiled_product_covers_every_chunk_of_a_long_list(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A list longer than `fused_mask.CHUNK` is compiled in chunks: every tensor of every chunk
+    and of the remainder is pruned, the bits of each kept entry unchanged."""
+    from lightning_sparse.core import fused_mask
+
+    monkeypatch.setattr(fused_mask, "CHUNK", 3)
+    pairs = [case(torch.float32, (4 + seed, 6), seed) for seed in range(8)]  # 3 + 3 + 2
+    befores = [t.clone() for t, _ in pairs]
+    fused_mask.mul_by_masks_([t.view(torch.int32) for t, _ in pairs], [m for _, m in pairs])
+    assert not fused_mask._broken
+    for (t, mask), before in zip(pairs, befores, strict=True):
+        assert_zeroed(t, before, mask)
+
+
+def test_the_compiled_product_does_not_compile_again_for_other_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sizes are symbols, none assumed equal to another because it was on the first call
+    (``use_duck_shape=False``): lists of the same chunk lengths and dtypes, square weights
+    or not, sizes equal or not, reuse the kernels compiled for the first."""
+    from torch._dynamo.utils import counters
+
+    from lightning_sparse.core import fused_mask
+
+    monkeypatch.setattr(fused_mask, "CHUNK", 4)
+
+    def prune(shapes: list[tuple[int, int]], seed: int) -> None:
+        pairs = [case(torch.float32, shape, seed + i) for i, shape in enumerate(shapes)]
+        views = [t.view(torch.int32) for t, _ in pairs]
+        fused_mask.mul_by_masks_(views, [m for _, m in pairs])
+
+    prune([(8, 8), (8, 8), (16, 8), (8, 16), (6, 6), (8, 8)], seed=0)  # chunks of 4 and 2
+    before = counters["stats"]["unique_graphs"]
+    prune([(8, 12), (10, 8), (12, 12), (7, 9), (9, 9), (14, 10)], seed=10)
+    prune([(20, 20), (20, 20), (20, 20), (20, 20), (5, 7), (7, 5)], seed=20)
+    assert counters["stats"]["unique_graphs"] == before

@@ -71,7 +71,10 @@ _broken = False  # compilation failed once in this process: the per-tensor produ
 def _no_duck_shapes() -> contextlib.AbstractContextManager[object]:
     """Meanwhile, sizes equal on a first call are not assumed equal (module docstring); a torch
     without the setting compiles as before."""
-    config = torch.fx.experimental._config
+    try:
+        from torch.fx.experimental import _config as config
+    except ImportError:
+        return contextlib.nullcontext()
     if not hasattr(config, "use_duck_shape"):
         return contextlib.nullcontext()
     return config.patch(use_duck_shape=False)  # type: ignore[attr-defined]  # install_config_module
@@ -89,7 +92,8 @@ def _mul_by_masks_(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), _no_duck_shapes():
             for start in range(0, len(views), CHUNK):
                 _compiled(views[start : start + CHUNK], masks[start : start + CHUNK])
-    except Exception as error:  # any backend failure: the eager product is exact
+    except Exception as error:  # any backend failure: the eager product is exact (and a chunk
+        # already multiplied is multiplied again by the same 0/1 mask: unchanged)
         _broken = True
         log.warning(
             "lightning_sparse: the fused pruning kernel could not be compiled (%s: %s); "

@@ -171,3 +171,38 @@ def test_the_compiled_product_does_not_compile_again_for_other_sizes(
     prune([(8, 12), (10, 8), (12, 12), (7, 9), (9, 9), (14, 10)], seed=10)
     prune([(20, 20), (20, 20), (20, 20), (20, 20), (5, 7), (7, 5)], seed=20)
     assert counters["stats"]["unique_graphs"] == before
+
+
+def test_a_compilation_failure_falls_back_to_the_exact_product_per_tensor(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backend failure on the second chunk, after the first was pruned: every tensor is still
+    pruned exactly (the first chunk again, by the same 0/1 masks), one warning says so, and the
+    process prunes per tensor from then on."""
+    from lightning_sparse.core import fused_mask
+
+    calls: list[int] = []
+
+    def second_fails(views: list[torch.Tensor], masks: list[torch.Tensor]) -> None:
+        calls.append(len(views))
+        if len(calls) == 2:
+            raise RuntimeError("no C++ compiler\nmore detail")
+        fused_mask._product(views, masks)
+
+    monkeypatch.setattr(fused_mask, "CHUNK", 2)
+    monkeypatch.setattr(fused_mask, "_compiled", second_fails)
+    monkeypatch.setattr(fused_mask, "_broken", False)
+    pairs = [case(torch.float32, (5, 6), seed) for seed in range(5)]
+    befores = [t.clone() for t, _ in pairs]
+    with caplog.at_level("WARNING", logger="lightning_sparse"):
+        fused_mask.mul_by_masks_([t.view(torch.int32) for t, _ in pairs], [m for _, m in pairs])
+    assert calls == [2, 2] and fused_mask._broken
+    for (t, mask), before in zip(pairs, befores, strict=True):
+        assert_zeroed(t, before, mask)
+    assert [r.getMessage() for r in caplog.records] == [
+        "lightning_sparse: the fused pruning kernel could not be compiled (RuntimeError: no C++ "
+        "compiler); pruning runs one kernel per tensor instead (correct, slower on a GPU)"
+    ]
+    again = [case(torch.float32, (3, 3), 9)]
+    fused_mask.mul_by_masks_([t.view(torch.int32) for t, _ in again], [m for _, m in again])
+    assert calls == [2, 2]  # not compiled again

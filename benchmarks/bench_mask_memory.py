@@ -26,10 +26,11 @@ larger model, where it compiles. Each way runs in a fresh process with an empty 
 cache (as on a machine just lent): a 12-block Llama (dim 768, 84 masked weights), RigL(0.8)
 updating at step 2, fused AdamW, four steps on the GPU's path; the seconds of the build
 (`model.apply` prunes) and of each step, and the kernels compiled, chunked as the package does
-(`fused_mask.CHUNK`) and unchunked (one kernel over each whole list, as before).
+(`fused_mask.CHUNK`, or ``--chunk``) and unchunked (one kernel over each whole list, as before
+2026-11-28; both ways assume no sizes equal).
 
     python benchmarks/bench_mask_memory.py [--dim 128] [--layers 4]
-    python benchmarks/bench_mask_memory.py --first-steps [--dim 768] [--layers 12]
+    python benchmarks/bench_mask_memory.py --first-steps [--dim 768] [--layers 12] [--chunk N]
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ def first_steps_here(dim: int, layers: int, chunk: int) -> None:
     )
 
 
-def first_steps(dim: int, layers: int) -> None:
-    """`--first-steps`: each way in a fresh process with an empty TorchInductor cache."""
+def first_steps(dim: int, layers: int, chunk: int | None) -> None:
+    """`--first-steps`: each way in a fresh process with an empty TorchInductor cache; chunks of
+    ``chunk`` tensors (default: the package's `fused_mask.CHUNK`) against one whole list."""
     import os
     import subprocess
     import tempfile
@@ -169,10 +171,10 @@ def first_steps(dim: int, layers: int) -> None:
         f"{'way':<14} {'build':>6} {'step 0':>6} {'step 1':>6} {'step 2':>6} {'step 3':>6}", end=""
     )
     print(f"  {'total':>7}  {'compiled':>8}", flush=True)
-    for chunk in (CHUNK, 1 << 30):
+    for way in (chunk or CHUNK, 1 << 30):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
-            command = [sys.executable, __file__, "--first-steps-here", str(chunk)]
+            command = [sys.executable, __file__, "--first-steps-here", str(way)]
             command += ["--dim", str(dim), "--layers", str(layers)]
             subprocess.run(command, env=env, check=True)
 
@@ -186,6 +188,9 @@ def main() -> None:
         "--layers", type=int, default=None, help="default 4 (12 with --first-steps)"
     )
     parser.add_argument("--first-steps", action="store_true", help="compilation on the first steps")
+    parser.add_argument(
+        "--chunk", type=int, default=None, help="--first-steps: tensors per chunk (default CHUNK)"
+    )
     parser.add_argument("--first-steps-here", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     big = args.first_steps or args.first_steps_here is not None
@@ -196,7 +201,7 @@ def main() -> None:
         return
     print(machine_facts())
     if args.first_steps:
-        first_steps(args.dim, args.layers)
+        first_steps(args.dim, args.layers, args.chunk)
         return
     print(machine_facts())
     print(f"Llama dim {args.dim}, {args.layers} blocks, sparsity 0.8, {STEPS} steps, fused AdamW")

@@ -107,3 +107,23 @@ def test_bench_quick_prints_the_table(script: str) -> None:
     assert len(verdicts) == count and all(("PASS" in v) != ("FAIL" in v) for v in verdicts), out
     for text in case["absent"]:
         assert text not in out, f"unexpected {text!r}:\n{out}"
+
+
+def test_bench_mask_memory_first_steps_compares_chunked_and_unchunked() -> None:
+    """`bench_mask_memory.py --first-steps` (benchmarks/README's row for `fused_mask.CHUNK`), tiny:
+    a row per way, each with its build, four steps, total and kernels compiled."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_mask_memory.py"), "--first-steps"]
+        + ["--dim", "64", "--layers", "1", "--chunk", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,  # a guard against a hang, not a timing assertion
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    chunked = [r for r in rows if r[:3] == ["chunks", "of", "3"]]
+    whole = [r for r in rows if r[:1] == ["unchunked"]]
+    assert len(chunked) == len(whole) == 1, done.stdout
+    for row in (chunked[0][3:], whole[0][1:]):
+        assert len(row) == 7 and int(row[-1]) >= 1, done.stdout  # 5 times, total, compiled

@@ -15,6 +15,12 @@ load hits every variant alike. Each variant reports the median over the timed ro
 5. ``torch.ao``         ``torch.ao.pruning.WeightNormSparsifier`` (unstructured: block (1, 1))
    on the same Linear layers, ``sparsifier.step()`` after every optimizer step; for comparison.
 
+Last, where the static loop's time over dense goes: each per-step pass of `StepHooks` (the
+gradients in backward, the weights before the step and, with the default AdamW, Adam's pruned
+denominators held at 1.0 and released) timed where it runs, the bytes it moves, and the floor:
+what the passes would cost at this machine's memory bandwidth (``a.add_(b)`` over 64 MB tensors),
+so ``(dense + floor) / dense`` is the best ratio any design that makes these passes can reach.
+
 Every variant uses the same optimizer: ``torch.optim.AdamW(params, lr=1e-3)``, PyTorch's default
 implementation, or the fused kernel with ``--fused``. The goal is ``Static / dense <= 1.03`` both
 in the plain loop and under Lightning. The benchmark exits 0 whether or not the goal is met.
@@ -84,9 +90,55 @@ def plain_dense(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> Plain
     return PlainRun(model, adamw(model.parameters(), fused), clock=clock)
 
 
+# The per-step passes of `StepHooks` (core/per_step.py), each over every masked tensor of one
+# kind, and the bytes each moves per masked weight (fp32 tensor read and written, bool mask
+# read; the hold also writes and reads ``~mask``).
+PASSES = {
+    "_mask_arrived": ("gradients, in backward", 9),
+    "sync": ("weights, before the step", 9),
+    "hold_denominators": ("exp_avg_sq held at 1.0", 11),
+    "after_step": ("exp_avg_sq released", 9),
+}
+
+
+class StaticRun(PlainRun):
+    """A plain loop with `Static`, each of its per-step passes (`PASSES`) timed where it runs:
+    wrapped methods of the algorithm's `StepHooks`, the loop's clock."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        sparsity: Static,
+        clock: Clock,
+        fused: bool,
+    ) -> None:
+        super().__init__(model, optimizer, clock=clock)
+        self.masked = sum(sp.mask.numel() for sp in sparsity.sparse_params.values())
+        # The fused AdamW needs no held denominators: those two methods then move no bytes.
+        names = [n for n in PASSES if not fused or n in ("_mask_arrived", "sync")]
+        self.passes: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            method = getattr(sparsity.hooks, name)
+            setattr(sparsity.hooks, name, self._timed(method, self.passes[name]))
+
+    def _timed(self, method: Callable[..., None], times: list[float]) -> Callable[..., None]:
+        def timed(*args: object) -> None:
+            start = self.clock()
+            method(*args)
+            times.append(self.clock() - start)
+
+        return timed
+
+    def reset_records(self) -> None:
+        super().reset_records()
+        for times in self.passes.values():
+            times.clear()
+
+
 def plain_static(
     cfg: LlamaConfig, seed: int, fused: bool, clock: Clock, hold: bool = True
-) -> PlainRun:
+) -> StaticRun:
     """``hold=False``: without holding Adam's pruned denominators at 1.0 during the step
     (`StepHooks.hold_denominators` a no-op on this run): the A/B of that choice, ``--hold-ab``."""
     model = build_model(cfg, seed)
@@ -96,7 +148,45 @@ def plain_static(
     sparsity.apply(optimizer)
     if not hold:
         sparsity.hooks.hold_denominators = lambda optimizer: None  # type: ignore[method-assign]
-    return PlainRun(model, optimizer, clock=clock)
+    return StaticRun(model, optimizer, sparsity, clock, fused)
+
+
+def stream_bandwidth(numel: int = 1 << 24, rounds: int = 5) -> float:
+    """Bytes per second of ``a.add_(b)`` over ``numel`` fp32 (three bytes-of-``a`` moved:
+    ``a`` and ``b`` read, ``a`` written), the best of ``rounds``: the memory bandwidth a pass
+    over tensors that are not in cache can reach here."""
+    a, b = torch.ones(numel), torch.ones(numel)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        a.add_(b)
+        best = min(best, time.perf_counter() - start)
+    return 3 * 4 * numel / best
+
+
+def print_passes(run: StaticRun, dense_ms: float, gap_ms: float, bandwidth: float) -> None:
+    """Where the static loop's time over dense goes: each pass's median in the loop, its bytes,
+    and what the passes would take at ``bandwidth`` (the floor of a design that makes them)."""
+    print(
+        f"\nthe static loop's per-step passes over its {run.masked / 1e6:.2f}M masked weights, "
+        "timed in the loop (median ms)"
+    )
+    print(f"{'pass':<28} {'ms':>7} {'MB':>7} {'GB/s':>7}")
+    total_ms = total_mb = 0.0
+    for name, times in run.passes.items():
+        label, per_weight = PASSES[name]
+        ms, mb = median_ms(times), per_weight * run.masked / 1e6
+        total_ms, total_mb = total_ms + ms, total_mb + mb
+        print(f"{label:<28} {ms:>7.2f} {mb:>7.1f} {mb / ms:>7.1f}")
+    floor_ms = total_mb / 1e6 / bandwidth * 1e3
+    print(
+        f"{'all passes':<28} {total_ms:>7.2f} {total_mb:>7.1f} {total_mb / total_ms:>7.1f}\n"
+        f"static - dense: {gap_ms:.1f} ms a step, of which the passes {total_ms:.1f} and the "
+        f"rest {gap_ms - total_ms:.1f} (hooks' Python, caches the passes evict)\n"
+        f"memory bandwidth here (a.add_(b), 64 MB each): {bandwidth / 1e9:.1f} GB/s; at it the "
+        f"passes would take {floor_ms:.1f} ms: Static / dense >= "
+        f"{(dense_ms + floor_ms) / dense_ms:.3f} for any design that makes these passes"
+    )
 
 
 def plain_torch_ao(cfg: LlamaConfig, seed: int, fused: bool, clock: Clock) -> PlainRun:
@@ -241,6 +331,10 @@ def main() -> None:
         "backward includes grad hooks; optimizer includes\nstep hooks, zero_grad and, for "
         "torch.ao, sparsifier.step()",
     )
+    static = runs["static"]
+    assert isinstance(static, StaticRun)
+    dense_ms = median_ms(times["dense"])
+    print_passes(static, dense_ms, median_ms(times["static"]) - dense_ms, stream_bandwidth())
     print(f"\nload average after the run: {load_average()}")
 
 

@@ -27,6 +27,15 @@ CASES = {
             "comparison line": ("WeightNormSparsifier / dense =",),
             # every sparse variant really trained at 80% sparsity, the dense ones stayed dense
             "sparsity check": ("static 0.800", "torch.ao 0.800", "lightning static 0.800"),
+            # each per-step pass of the static loop timed in place, and the bandwidth floor
+            "passes table": (
+                "gradients, in backward",
+                "weights, before the step",
+                "exp_avg_sq held at 1.0",
+                "exp_avg_sq released",
+                "all passes",
+                "for any design that makes these passes",
+            ),
         },
         rows=("dense", "static", "torch.ao", "lightning dense", "lightning static"),
         verdicts=(("Static / dense =",), 2),

@@ -6,8 +6,10 @@ already on the model and the optimizer; they never modify them and never see an 
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Iterable
+from types import FrameType
 
 import torch
 from torch import nn
@@ -17,6 +19,35 @@ from .shapers import Shaper
 from .sparse_parameter import mask_buffer_name
 
 __all__ = ["check_candidates", "check_mask", "check_optimizer", "check_shaper"]
+
+
+def already_applied(name: str, applied_to: nn.Module, model: nn.Module) -> RuntimeError:
+    """The error of applying ``name``, already applied to ``applied_to``, to ``model`` too; when
+    that happens inside a ``Module.apply`` walk, the likely cause: a function that calls the
+    algorithm, passed to ``model.apply``, calls it on every submodule, the first one acting."""
+    hint = (
+        f"; it was applied to a {type(applied_to).__name__} during a model.apply(fn) walk, "
+        "which calls fn on every submodule: pass the algorithm itself (model.apply(sparsity)) "
+        "or call sparsity.apply(model)"
+        if model is not applied_to and _inside_module_apply()
+        else ""
+    )
+    return RuntimeError(
+        f"{name} is already applied to a model; create a new algorithm object per model "
+        f"(applying twice would stack masks){hint}"
+    )
+
+
+def _inside_module_apply(depth: int = 12) -> bool:
+    """Whether one of the ``depth`` innermost frames runs ``nn.Module.apply``."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code is nn.Module.apply.__code__:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def check_shaper(shaper: object) -> Shaper:

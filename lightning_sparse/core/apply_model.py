@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -99,6 +100,13 @@ def initial_mask(
     view = dense.t() if in_out else dense
     mask = init_method(view, target, generator=generator, shaper=shaper)
     mask = check_mask(mask, view, name, init_method)
+    if mask.numel() and not mask.is_meta and not bool(mask.any()):
+        warnings.warn(
+            f"sparsity={target} keeps none of the {mask.numel()} weights of {name!r} (each row's "
+            "keep count is rounded down): the layer passes nothing; give it a lower sparsity "
+            "(a Group, or distribution='erk') or leave it out with param_filter",
+            stacklevel=2,
+        )
     return shard_like(mask.t().contiguous() if in_out else mask, param)
 
 
@@ -158,9 +166,9 @@ def log_orphans(owner: str, orphans: list[str], init_method: object) -> None:
         )
 
 
-def model_apply_visits_child() -> bool:
-    """Whether the caller (an algorithm's ``__call__``) runs inside ``model.apply`` for a module
-    below the one ``model.apply`` was called on.
+def model_apply_visits_child(module: nn.Module) -> bool:
+    """Whether the caller (an algorithm's ``__call__`` on ``module``) runs inside ``model.apply``
+    for a module below the one ``model.apply`` was called on.
 
     ``model.apply(fn)`` calls ``fn`` on every submodule, children first and the model last, and
     gives ``fn`` no other sign of which call is the model's. No rule over the calls seen so far can
@@ -168,10 +176,21 @@ def model_apply_visits_child() -> bool:
     ``Sequential(Sequential(Linear))`` has made the same calls and one is still to come, and
     acting early would prune under names (``"0.weight"`` for ``"0.0.weight"``) whose masks differ,
     which only a copy of the weights could undo. The interpreter's stack does tell: the call is a
-    child's when ``Module.apply`` called it from inside another ``Module.apply``.
+    child's when ``Module.apply`` called it for ``module`` and was itself called, through
+    ``apply`` frames only (a subclass's ``apply`` that calls ``super().apply(fn)``), by the
+    ``apply`` of a module that holds ``module`` as a child. Any other call acts: ``sparsity(m)``
+    from any function, the algorithm wrapped (``model.apply(lambda m: sparsity(m))`` is that call
+    on every module), or ``model.apply(sparsity)`` from a function another walk is visiting.
     """
     caller = sys._getframe(2)  # 0: here, 1: __call__, 2: who called __call__
-    if caller.f_code is not nn.Module.apply.__code__:
+    if caller.f_code is not nn.Module.apply.__code__ or caller.f_locals.get("self") is not module:
         return False  # called directly: sparsity(model)
     outer = caller.f_back
-    return outer is not None and outer.f_code is nn.Module.apply.__code__
+    while outer is not None and outer.f_code.co_name == "apply":
+        parent = outer.f_locals.get("self")
+        if not isinstance(parent, nn.Module):
+            return False
+        if parent is not module:
+            return any(child is module for child in parent.children())
+        outer = outer.f_back  # ``module``'s own ``apply``, overridden: look further out
+    return False

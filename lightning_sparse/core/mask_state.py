@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from . import applied, apply_model, ddp_ignore, held, install, legacy, saved_state
-from .apply_checks import check_candidates
+from .apply_checks import already_applied, check_candidates
 from .distributions import LayerSparsity
 from .filters import ParamFilter, frozen_left_dense, unselected_patterns
 from .layouts import as_out_in, is_in_out
@@ -146,6 +146,8 @@ class MaskState:
     def apply(self, root: nn.Module) -> None:
         """Select, check, build the masks, then attach; a failure leaves the model and these
         settings as they were."""
+        if self.root is not None:
+            raise already_applied(self.name, self.root, root)
         chosen = self.select(root)
         if not chosen:
             warnings.warn(
@@ -183,10 +185,7 @@ class MaskState:
         shaper fit, masks of another algorithm, `apply_checks`); records their layouts and
         shapes (undone by `restore_settings`)."""
         if self.root is not None:
-            raise RuntimeError(
-                f"{self.name} is already applied to a model; create a new algorithm object per "
-                "model (applying twice would stack masks)"
-            )
+            raise already_applied(self.name, self.root, self.root)
         self.in_out_params = {name for name, module, attr, _ in chosen if is_in_out(module, attr)}
         orphans = check_candidates(
             chosen,

@@ -942,3 +942,67 @@ def test_custom_algorithm_through_configure(tmp_path: Path) -> None:
     trainer(tmp_path, max_steps=3, callbacks=[group]).fit(module, token_loader())
     assert math.isclose(group.overall_sparsity()[0], 0.5)
     first_half(group[0])
+
+
+# ---------------------------------------------------------------------------- unused layers
+class Branchy(nn.Module):
+    """``branch`` takes part in the forward on even calls only (a layer used on some steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.branch, self.b = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        x = torch.relu(self.a(x))
+        if self.calls % 2 == 0:
+            x = torch.relu(self.branch(x))
+        return self.b(x)
+
+
+@pytest.mark.parametrize("kind", ["rigl", "granet"])
+def test_a_layer_unused_on_an_update_step_keeps_its_mask_and_the_others_update(
+    kind: str,
+) -> None:
+    """RigL and GraNet grow by the gradient: a weight with none at an update (its layer took no
+    part in that forward) keeps its mask, with a warning naming it; the others update, and the
+    step runs (it used to raise inside ``optimizer.step()``, telling the user to run backward)."""
+    torch.manual_seed(0)
+    model = Branchy()
+    sparsity = (
+        RigL(0.75, update={"freq": 2}, seed=1)
+        if kind == "rigl"
+        else GraNet(
+            {"type": "cubic", "init": 0.5, "final": 0.75, "begin": 0, "end": 4},
+            update={"freq": 2},
+            seed=1,
+        )
+    )
+    model.apply(sparsity)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sparsity.apply(optimizer)
+    x = torch.randn(8, 16)
+    for step in range(6):  # updates in steps 2 and 4 (from 0), calls 3 and 5: the branch unused
+        masks = {n: sp.mask.clone() for n, sp in sparsity.sparse_params.items()}
+        model(x).square().mean().backward()
+        if step in (2, 4):
+            with pytest.warns(UserWarning, match=r"no gradient.*'branch\.weight'.*param_filter"):
+                optimizer.step()
+            assert torch.equal(sparsity.sparse_params["branch.weight"].mask, masks["branch.weight"])
+            assert not torch.equal(sparsity.sparse_params["a.weight"].mask, masks["a.weight"])
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        for sp in sparsity.sparse_params.values():
+            assert not sp.param[~sp.mask].any()
+    assert sparsity.step == 6 and sparsity.last_update_step == 4
+
+
+def test_an_update_with_no_gradient_at_all_says_to_run_backward() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    sparsity = RigL(0.5, update={"freq": 1})
+    model.apply(sparsity)
+    sparsity.step = 1
+    with pytest.raises(RuntimeError, match="needs the dense gradient of '0.weight'.*run backward"):
+        sparsity.update()

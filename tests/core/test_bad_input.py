@@ -222,6 +222,22 @@ def test_applying_the_same_algorithm_twice_raises_and_modifies_nothing(
     assert list(algorithm.sparse_params) == names
 
 
+@pytest.mark.parametrize("make_algorithm", [lambda: Static(0.5), lambda: Group({"*": Static(0.5)})])
+def test_a_wrapped_algorithm_in_model_apply_says_it_acted_on_the_first_submodule(
+    make_algorithm: Callable[[], SparsityAlgorithm | Group],
+) -> None:
+    """``model.apply(lambda m: sparsity(m))`` calls the algorithm on every submodule: the first
+    call acts on the first leaf, the next one is refused, saying why and what to write instead."""
+    algorithm, model = make_algorithm(), mlp()
+    with pytest.raises(RuntimeError, match=r"already applied.*submodule.*model\.apply\(sparsity\)"):
+        model.apply(lambda module: algorithm(module))
+    plain = Static(0.5)
+    plain.apply(mlp())
+    with pytest.raises(RuntimeError, match="already applied") as refused:
+        plain.apply(mlp())  # a second, unrelated model: no hint about walks
+    assert "submodule" not in str(refused.value)
+
+
 def test_second_algorithm_on_an_already_sparse_parameter_raises_and_modifies_nothing() -> None:
     model = mlp()
     Static(0.5).apply(model)
@@ -365,3 +381,13 @@ def test_a_failed_attach_leaves_the_model_and_a_restored_mask_as_they_were(
     assert set(after) == set(before), set(after) ^ set(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
     assert model[0].weight_mask is not None and torch.equal(model[0].weight_mask, restored)
+
+
+def test_a_layer_rounded_down_to_no_kept_weight_is_named_in_a_warning() -> None:
+    """``int((1 - 0.8) * 4) = 0``: Linear(2, 2) at 0.8 keeps nothing; the warning names it (and
+    only it), the apply goes on as Cerebras' rounding rule says."""
+    model = nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 2))
+    with pytest.warns(UserWarning, match=r"keeps none of the 4 weights of '1\.weight'") as caught:
+        model.apply(Static(0.8))
+    assert not any("'0.weight'" in str(w.message) for w in caught)
+    assert int(model[1].weight_mask.sum()) == 0 and int(model[0].weight_mask.sum()) == 1

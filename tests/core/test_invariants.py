@@ -356,6 +356,43 @@ def test_calling_the_sparsity_directly_or_in_a_nested_walk_acts_once_on_its_mode
     assert sorted(mask_buffers(outer)) == ["0.0.weight_mask", "0.2.weight_mask"]
 
 
+class OwnApply(nn.Sequential):
+    """A container whose ``apply`` is its own (logging, a library's wrapper) and calls
+    ``super().apply(fn)``."""
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> OwnApply:  # type: ignore[override]
+        return super().apply(fn)
+
+
+@pytest.mark.parametrize("make", [make_static, make_group])
+def test_model_apply_through_a_submodule_that_overrides_apply_acts_once_on_the_model(
+    make: Callable[[], SparsityAlgorithm],
+) -> None:
+    """A submodule's own ``apply`` (calling ``super().apply``) is part of the walk: only the
+    model's call acts, with full names, as ``sparsity.apply(model)`` does (it once acted on that
+    submodule first, then raised 'already applied', a half-sparsified model left behind)."""
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            OwnApply(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)), nn.ReLU(), nn.Linear(8, 8)
+        )
+
+    walked, reference = build(), build()
+    a, b = make(), make()
+    walked.apply(a)
+    b.apply(reference)
+    assert a.root is walked
+    assert list(a.sparse_params) == list(b.sparse_params)
+    assert "2.weight" in a.sparse_params and "0.0.weight" in a.sparse_params
+    for key, value in reference.state_dict().items():
+        assert torch.equal(walked.state_dict()[key], value), key
+    # The overriding module as the model itself: its own call acts.
+    alone, own = OwnApply(nn.Linear(8, 8), nn.Linear(8, 8)), make_static()
+    alone.apply(own)
+    assert own.root is alone and list(own.sparse_params) == ["0.weight", "1.weight"]
+
+
 # ---------------------------------------------------------------------------- tied weights
 
 

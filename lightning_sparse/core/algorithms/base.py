@@ -239,7 +239,7 @@ class SparsityAlgorithm(ABC):
     def __call__(self, module: nn.Module) -> None:
         """``model.apply(sparsity)``: torch calls this on every submodule, the model last; only
         the model's call acts (`model_apply_visits_child`), so filters see full names."""
-        if not apply_model.model_apply_visits_child():
+        if not apply_model.model_apply_visits_child(module):
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:

@@ -13,6 +13,7 @@ drops, used by the per-weight path (`shaped_drop_and_grow`), the stacked path
 from __future__ import annotations
 
 import functools
+import warnings
 from abc import abstractmethod
 from typing import Any, ClassVar, overload
 
@@ -92,7 +93,9 @@ class DropAndGrow(SparsityAlgorithm):
         weight gets the mask it gets alone), the others one by one (`mask_of`). Every mask's
         fewest and most kept per row are read to the host in one transfer first: one host sync
         per update."""
-        names = [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
+        names = self._with_gradient(
+            [n for n, sp in self.sparse_params.items() if sp.param.requires_grad]
+        )
         groups = by_key({n: self._batch_key(n, targets[n]) for n in names})
         view = self.mask_state.rule_view  # each mask as the rule sees it (whole, [out, in])
         # A weight alone is a view, not a copy (a model built sparse holds no mask twice).
@@ -115,6 +118,30 @@ class DropAndGrow(SparsityAlgorithm):
                 rule = functools.partial(self.update_mask, count_range=(low, high))
                 masks[name] = self.mask_state.pending(name, self.mask_of(name, targets[name], rule))
         return masks
+
+    def _with_gradient(self, names: list[str]) -> list[str]:
+        """``names`` without the weights that have no gradient at this update, when the grow
+        score is the gradient (RigL, GraNet): a layer this step's forward did not use (a branch
+        taken on some steps only) keeps its mask until an update where it has one; warns, naming
+        them. When none has one, the update cannot run: `dense_grad_score` says why."""
+        if not self.grows_by_grad_magnitude:
+            return names
+        missing = [
+            n
+            for n in names
+            if held.holder_of(param := self.sparse_params[n].param) is None and param.grad is None
+        ]
+        if not missing or len(missing) == len(names):
+            return names
+        warnings.warn(
+            f"{self.name}: {len(missing)} weight(s) have no gradient at the update of step "
+            f"{self.step} (first {missing[0]!r}): this step's forward did not use them, so they "
+            "keep their masks until an update where they have one; leave such layers out with "
+            "param_filter if they are never used",
+            stacklevel=2,
+        )
+        skipped = set(missing)
+        return [n for n in names if n not in skipped]
 
     def _batch_key(self, name: str, target: float) -> tuple[Any, ...]:
         """Weights computed together share it: shape, dtype, device and target; a sharded one, a

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import report
+from ..apply_checks import already_applied
 from ..apply_model import model_apply_visits_child, transaction
 from ..filters import ParamFilter, PatternFilter, make_param_filter, unselected_patterns
 from ..observers import SparsityHook, UpdateHook
@@ -91,7 +92,7 @@ class Group:
     # ------------------------------------------------------------------ apply
     def __call__(self, module: nn.Module) -> None:
         """``model.apply(group)``: acts on the model's call only (`model_apply_visits_child`)."""
-        if not model_apply_visits_child():
+        if not model_apply_visits_child(module):
             self.apply(module)
 
     def apply(self, obj: nn.Module | torch.optim.Optimizer) -> None:
@@ -110,7 +111,7 @@ class Group:
         if not self.members:
             raise RuntimeError("Group is empty: add (filter, algorithm) pairs before applying it")
         if self.root is not None:
-            raise RuntimeError(f"{self.name} is already applied to a model")
+            raise already_applied(self.name, self.root, obj)
         # The members' apply phases (their masks' `MaskState`), all or nothing.
         transaction(obj, [algorithm.mask_state for algorithm in self], self.route(obj))
         self.root = obj

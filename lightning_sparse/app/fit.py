@@ -64,7 +64,7 @@ from lightning_sparse.app.preflight import (
 )
 from lightning_sparse.app.progress import step_progress_bar
 from lightning_sparse.app.quiet import plain_model_summary
-from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir
+from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir, run_config_of
 from lightning_sparse.app.tensor_cores import use_tensor_cores
 from lightning_sparse.app.threads import set_threads
 from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
@@ -272,7 +272,9 @@ def subcommand_of(args: list[str]) -> str | None:
 
 def build_args(args: list[str]) -> list[str]:
     """The LightningCLI argument list: ``fit`` when no subcommand is named (no arguments, or
-    options only: they are fit's); the default recipe when no config.
+    options only: they are fit's); when no config, the default recipe, or for ``validate`` /
+    ``test`` / ``predict`` of a checkpoint inside a run directory the run's own ``config.yaml``
+    (the model, data and callbacks that wrote it; the recipe's would evaluate another model).
 
     Raises:
         FileNotFoundError: the default recipe is needed but missing (not a source checkout).
@@ -281,6 +283,12 @@ def build_args(args: list[str]) -> list[str]:
     if subcommand_of(args) is None:
         args.insert(0, "fit")
     has_config = any(a in ("--config", "-c") or a.startswith("--config=") for a in args)
+    if args[0] in LIGHTNING_SUBCOMMANDS and args[0] != "fit" and not has_config:
+        saved = run_config_of(option_value(args, "--ckpt_path"))
+        if saved is not None:
+            print(f"{PROG}: no --config: using the run's own, {saved}", file=sys.stderr)
+            args[1:1] = ["--config", str(saved)]
+            has_config = True
     if args[0] in LIGHTNING_SUBCOMMANDS and not has_config:
         if not DEFAULT_RECIPE.is_file():
             raise FileNotFoundError(
@@ -289,6 +297,17 @@ def build_args(args: list[str]) -> list[str]:
             )
         args[1:1] = ["--config", str(DEFAULT_RECIPE)]
     return args
+
+
+def option_value(args: list[str], option: str) -> str | None:
+    """The last value ``args`` gives ``option`` (``--opt value`` or ``--opt=value``), or None."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(f"{option}="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def run(args: list[str]) -> SparseCLI:

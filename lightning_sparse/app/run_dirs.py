@@ -194,11 +194,28 @@ def evaluation_dir(root: Path, subcommand: str, ckpt_path: str | None) -> RunDir
     directory and for no checkpoint."""
     if ckpt_path == "last":
         resume = _new_or_latest(root, True).resume
+        if resume is None:
+            raise CLIError(
+                f"--ckpt_path last: no run under {root} has a last*.ckpt, so there is nothing to "
+                f"{subcommand}; train one first (lightning-sparse fit with the same --config), "
+                "or pass --ckpt_path path/to/file.ckpt"
+            )
     else:
         resume = Path(ckpt_path) if ckpt_path and Path(ckpt_path).is_file() else None
     home = (_run_of(resume) if resume is not None else None) or root
     run = RunDir(home, _next_version(home, subcommand), resume, ckpt_path == "last", False)
     return reserve(dataclasses.replace(run, prefix=subcommand))
+
+
+def run_config_of(ckpt_path: str | None) -> Path | None:
+    """The ``config.yaml`` the run that wrote checkpoint ``ckpt_path`` saved at its start (the
+    whole configuration it trained with), or None: no such file, or a checkpoint outside a run
+    directory (``last`` is resolved later, under the configuration's own directory)."""
+    if not ckpt_path or ckpt_path == "last" or not Path(ckpt_path).is_file():
+        return None
+    run = _run_of(Path(ckpt_path))
+    saved = run / "config.yaml" if run is not None else None
+    return saved if saved is not None and saved.is_file() else None
 
 
 def _run_of(ckpt: Path) -> Path | None:

@@ -141,6 +141,42 @@ def test_validate_test_predict_report_into_the_run_they_evaluate(
     )
 
 
+def test_evaluating_a_runs_checkpoint_without_config_uses_the_runs_own_config(
+    trained: tuple[Path, str], tmp_path: Path
+) -> None:
+    """``validate --ckpt_path <a run's checkpoint>`` with no ``--config`` evaluates the model the
+    run trained (its ``config.yaml``: here a 32-wide model the default recipe does not build), not
+    the default recipe's; ``--ckpt_path last`` with no run refuses in one line, evaluating
+    nothing (it used to evaluate a freshly initialised model and exit 0)."""
+    cwd, _ = trained
+    run = cwd / "outputs/rigl_llama/version_0"
+    (empty := tmp_path / "empty").mkdir()
+    (own, nothing) = run_all(
+        (["validate", *QUIET, "--ckpt_path", CKPT], cwd),
+        (["test", *QUIET, "--ckpt_path", "last"], empty),
+    )
+    code, out, err = own
+    assert code == 0, (out + err)[-3000:]
+    assert (
+        "lightning-sparse: no --config: using the run's own, "
+        "outputs/rigl_llama/version_0/config.yaml" in err
+    )
+    folder = max(run.glob("validate_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert f"writing to outputs/rigl_llama/version_0/{folder.name}" in err
+    validated = json.loads((folder / "results.json").read_text())["metrics"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert validated["val/loss"] == pytest.approx(summary["val"]["loss"], rel=1e-5)
+    code, out, err = nothing
+    assert code == 2, (out + err)[-3000:]
+    assert errors_of(err)[-1] == (
+        "lightning-sparse: --ckpt_path last: no run under outputs/rigl_llama has a last*.ckpt, "
+        "so there is nothing to test; train one first (lightning-sparse fit with the same "
+        "--config), or pass --ckpt_path path/to/file.ckpt"
+    )
+    assert "Traceback" not in err
+    assert not (empty / "outputs").exists() or not any((empty / "outputs").rglob("*.json"))
+
+
 def test_export_follows_the_umask_and_names_its_flags(trained: tuple[Path, str]) -> None:
     pytest.importorskip("transformers")
     cwd, _ = trained

@@ -331,3 +331,18 @@ def test_hugging_face_model_without_transformers_is_a_clear_error(tmp_path: Path
     # jsonargparse reports the constructor's ModuleNotFoundError inside its ValueError.
     with pytest.raises((ModuleNotFoundError, ValueError), match="pip install transformers"):
         cli.run(["fit", "--config", str(recipe("rigl")), *TINY, *CSV, *args])
+
+
+def test_every_recipe_checkpoint_replaces_its_last_ckpt() -> None:
+    """A recipe's `ModelCheckpoint` writes ``last.ckpt`` in place on a re-run into the same
+    directory (``enable_version_counter: false``): ``last-v1.ckpt`` beside a stale ``last.ckpt``
+    would leave a chained stage (``vspdf_dense.yaml`` reads ``vspdf_chained/sparse``) on the old
+    weights."""
+    checked = 0
+    for path in sorted(RECIPES.glob("*.yaml")):
+        config = yaml.safe_load(path.read_text())
+        for callback in config.get("trainer", {}).get("callbacks") or []:
+            if callback.get("class_path", "").endswith("ModelCheckpoint"):
+                checked += 1
+                assert callback["init_args"].get("enable_version_counter") is False, path.name
+    assert checked >= 8

@@ -68,6 +68,7 @@ from lightning_sparse.app.run_dirs import RUN_ENV, RunDir, plan_run_dir, run_con
 from lightning_sparse.app.tensor_cores import use_tensor_cores
 from lightning_sparse.app.threads import set_threads
 from lightning_sparse.app.wandb_mode import active_wandb_run, set_wandb_mode
+from lightning_sparse.data import DataError
 from lightning_sparse.lightning import SparseRunSummary
 from lightning_sparse.lightning.callback import check_resumable
 from lightning_sparse.recipes import RECIPES_DIR
@@ -186,6 +187,7 @@ class SparseCLI(LightningCLI):
             # lacks, a precision plugin whose package is missing) among them.
             note_key(err, self.config[self.subcommand] if self.subcommand else self.config)
             raise
+        check_context(self.model, self.datamodule)
         # Trainer.callbacks (and log_every_n_steps, datamodule) are set by Lightning's connectors,
         # undeclared on the class: mypy finds no such attribute.
         plain_model_summary(self.trainer.callbacks)  # type: ignore[attr-defined]
@@ -216,6 +218,11 @@ class SparseCLI(LightningCLI):
             super()._run_subcommand(subcommand)
         except UnsupportedConfiguration as refused:  # the device's check, before any step
             raise CLIError(f"{refused}; nothing was trained") from refused
+        except DataError as bad:  # the data the settings select, found unusable in setup
+            flags = ", ".join(f"--data.{key}" for key in bad.keys)
+            raise CLIError(
+                f"data: {bad}" + (f" (on the command line: {flags})" if flags else "")
+            ) from bad
         except SIGTERMException as stop:  # a SystemExit that would end the process with 0
             last = last_checkpoint(self.trainer)
             # In a run directory, "last" continues there; elsewhere the file itself.
@@ -258,6 +265,24 @@ def last_checkpoint(trainer: pl.Trainer) -> Path | None:
         if callback.dirpath and Path(callback.dirpath).is_dir():
             found.update(p for p in Path(callback.dirpath).glob("*.ckpt") if p.is_file())
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+
+def check_context(model: object, datamodule: object) -> None:
+    """Refuse data windows longer than the package's `Llama` can see (its ``max_seq_len``),
+    before the sanity check would fail on the first batch.
+
+    Raises:
+        CLIError: ``--data.seq_len`` above ``--model.max_seq_len``.
+    """
+    seq_len = getattr(getattr(datamodule, "hparams", None), "seq_len", None)
+    config = getattr(getattr(model, "model", None), "config", None)
+    context = getattr(config, "max_seq_len", None)
+    if isinstance(seq_len, int) and isinstance(context, int) and seq_len > context:
+        raise CLIError(
+            f"--data.seq_len={seq_len} is longer than the model's context, --model.max_seq_len="
+            f"{context}: every window must fit it; lower --data.seq_len or raise "
+            "--model.max_seq_len"
+        )
 
 
 def subcommand_of(args: list[str]) -> str | None:

@@ -58,14 +58,14 @@ def load_torch_file(
     except pickle.UnpicklingError as err:
         reason = _weights_only_reason(str(err))
         if "global" not in reason.lower():  # not a pickle of objects: a corrupt or foreign file
-            raise _unreadable(path, what, err, reason, opt_in) from None
+            raise _unreadable(path, what, err, reason) from None
         raise UntrustedFileError(
             f"{what} {str(path)!r} holds Python objects that a weights-only load refuses "
             f"({reason}); loading it would run code from the file, so it was not loaded. Only "
             f"if you trust the file's source, pass {opt_in}"
         ) from None
     except (RuntimeError, KeyError, EOFError, ValueError, AttributeError) as err:
-        raise _unreadable(path, what, err, " ".join(str(err).split()), opt_in) from err
+        raise _unreadable(path, what, err, " ".join(str(err).split())) from err
 
 
 def _weights_only_reason(text: str) -> str:
@@ -78,9 +78,12 @@ def _weights_only_reason(text: str) -> str:
     return " ".join(reason.split()).split(". Please use")[0][:200]
 
 
-def _unreadable(path: Path, what: str, err: BaseException, detail: str, opt_in: str) -> ValueError:
+def _unreadable(path: Path, what: str, err: BaseException, detail: str) -> ValueError:
+    """A file no load reads, weights-only or not (text, another format, a truncated file): the
+    opt-in for trusted objects would not help, so it is not offered."""
+    cut = detail if len(detail) <= 200 else detail[:200].rsplit(" ", 1)[0] + " ..."
     return ValueError(
-        f"{what} {str(path)!r} is not a file torch.load reads weights-only "
-        f"({type(err).__name__}: {detail[:200]}); pass a checkpoint written by torch.save or "
-        f"Lightning (a file from a source you trust that holds other objects: {opt_in})"
+        f"{what} {str(path)!r} is not a file torch.load reads (text, another format, or a "
+        f"truncated file; {type(err).__name__}: {cut}); pass a checkpoint written by torch.save "
+        "or Lightning"
     )

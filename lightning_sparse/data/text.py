@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_sparse.data.errors import DataError
 from lightning_sparse.data.sampler import ResumableDataLoader, ResumableSampler
 
 if TYPE_CHECKING:
@@ -52,7 +53,9 @@ def stdlib_files() -> tuple[tuple[Path, str], ...]:
         if _STDLIB_EXCLUDED_DIRS.isdisjoint(rel.parts[:-1]) and path.is_file():
             files.append((path, rel.as_posix()))
     if not files:
-        raise ValueError(f"no .py files found in the standard library at {root}; pass paths=")
+        raise DataError(
+            f"no .py files found in the standard library at {root}; pass paths=", ("paths",)
+        )
     return tuple(files)
 
 
@@ -74,7 +77,11 @@ def user_files(paths: Iterable[str], pattern: str) -> list[tuple[Path, str]]:
         elif path.is_dir():
             found = sorted(p for p in path.rglob(pattern) if p.is_file())
             if not found:
-                raise ValueError(f"no files matching {pattern!r} under directory {str(path)!r}")
+                raise DataError(
+                    f"no files matching {pattern!r} under directory {str(path)!r}; name files "
+                    "or directories that hold some, or change pattern=",
+                    ("paths", "pattern"),
+                )
             files.extend((p, p.relative_to(path).as_posix()) for p in found)
         else:
             raise FileNotFoundError(f"text data path {str(path)!r} does not exist")
@@ -212,10 +219,11 @@ class ByteTextDataModule(L.LightningDataModule):
         val = [p for p, rel in files if is_validation_file(rel, hp.val_every)]
         if not train or not val:
             empty = "training" if not train else "validation"
-            raise ValueError(
+            raise DataError(
                 f"splitting {len(files)} file(s) by path hash (1 in val_every={hp.val_every}) "
                 f"left the {empty} split empty; pass more files, change val_every, or name "
-                "validation files with val_paths="
+                "validation files with val_paths=",
+                ("paths", "val_every", "val_paths"),
             )
         return train, val
 
@@ -231,9 +239,10 @@ class ByteTextDataModule(L.LightningDataModule):
         self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
-                raise ValueError(
+                raise DataError(
                     f"the {split} corpus has {len(data)} bytes, fewer than one window of "
-                    f"seq_len + 1 = {window}; add text or lower seq_len"
+                    f"seq_len + 1 = {window}; add text or lower seq_len",
+                    ("paths", "seq_len"),
                 )
 
     def held_out_size(self) -> int:
@@ -260,11 +269,12 @@ class ByteTextDataModule(L.LightningDataModule):
                 f"{name}_dataloader() before setup(): call setup('fit') first (the Trainer does)"
             )
         if name == "test" and len(data) < self.hparams.seq_len + 1:
-            raise ValueError(
+            raise DataError(
                 f"the test split has {len(data)} tokens after the {self.hparams.val_windows} "
                 f"validation windows, fewer than one window of seq_len + 1 = "
                 f"{self.hparams.seq_len + 1}; add held-out text (val_paths, or more files) or "
-                "lower val_windows"
+                "lower val_windows",
+                ("val_paths", "val_windows"),
             )
         return data
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sparse.data.errors import DataError
 from lightning_sparse.data.text import ByteTextDataModule, experiment_seed
 
 __all__ = ["TokenizedTextDataModule", "load_tokenizer", "read_texts", "train_byte_bpe"]
@@ -190,7 +191,8 @@ class TokenizedTextDataModule(ByteTextDataModule):
         self.val_data, self.test_data = self.held_out_splits(held_out)
         for split, data in (("training", self.train_data), ("validation", self.val_data)):
             if len(data) < window:
-                raise ValueError(
+                raise DataError(
                     f"the {split} corpus has {len(data)} tokens, fewer than one window of "
-                    f"seq_len + 1 = {window}; add text or lower seq_len"
+                    f"seq_len + 1 = {window}; add text or lower seq_len",
+                    ("paths", "seq_len"),
                 )

@@ -458,3 +458,50 @@ def test_a_precision_the_device_refuses_is_one_line(
     assert "accelerator='wse' does not support precision='bf16-mixed'" in line
     assert line.endswith("; nothing was trained")
     assert list(tmp_path.glob("outputs/**/version_*")) == []
+
+
+# ---------------------------------------------------------------- the data the settings select
+DATA_MISTAKES = {
+    # windows the model cannot see: refused before anything trains
+    "seq_len": (
+        ["--data.seq_len", "64"],
+        "lightning-sparse: --data.seq_len=64 is longer than the model's context, "
+        "--model.max_seq_len=32: every window must fit it; lower --data.seq_len or raise "
+        "--model.max_seq_len",
+    ),
+    # one file: the split by path hash leaves one side empty
+    "one file": (
+        ["--data.paths", "[one.py]"],
+        "left the validation split empty; pass more files, change val_every, or name validation "
+        "files with val_paths= (on the command line: --data.paths, --data.val_every, "
+        "--data.val_paths)",
+    ),
+    # a directory without a file of the pattern
+    "no match": (
+        ["--data.paths", "[texts/]"],
+        "lightning-sparse: data: no files matching '*.py' under directory 'texts'; name files or "
+        "directories that hold some, or change pattern= (on the command line: --data.paths, "
+        "--data.pattern)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(DATA_MISTAKES))
+def test_data_settings_that_give_no_data_are_one_line_naming_the_flags(
+    kind: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Found while the data are read (in ``setup``, inside ``fit``) or when the model and the
+    data meet: still one line with the ``--data.*`` flags to change, exit 2, no traceback, and
+    no run directory left behind (these once printed a 45-line traceback)."""
+    (tmp_path / "one.py").write_text("x = 1\n" * 2000)
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts/notes.txt").write_text("no python here\n")
+    flags, expected = DATA_MISTAKES[kind]
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *TINY, *CSV, "--trainer.max_steps", "2", *flags])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith("lightning-sparse: ")
+    assert expected in err.strip().splitlines()[-1]
+    assert list(tmp_path.glob("outputs/**/version_*")) == []

@@ -128,8 +128,15 @@ def test_plain_checkpoints_load_and_other_files_are_named(tmp_path: Path) -> Non
     LoadWeights(str(tmp_path / "ok.ckpt")).setup(trainer, target, "fit")  # type: ignore[arg-type]
     assert torch.equal(target.weight, model.weight)
     (tmp_path / "notes.txt").write_text("not a checkpoint")
-    with pytest.raises(ValueError, match=r"'.*notes.txt' is not a file torch.load reads"):
-        load_torch_file(tmp_path / "notes.txt")
+    with pytest.raises(ValueError, match=r"'.*notes.txt' is not a file torch.load reads") as text:
+        load_torch_file(tmp_path / "notes.txt", opt_in="--trust-file")
+    # Loading it with objects allowed would not help: the opt-in is not offered for it.
+    assert "--trust-file" not in str(text.value) and "trust" not in str(text.value)
+    good = (tmp_path / "ok.ckpt").read_bytes()
+    (tmp_path / "cut.ckpt").write_bytes(good[: len(good) // 2])
+    with pytest.raises(ValueError, match="truncated file") as cut:
+        load_torch_file(tmp_path / "cut.ckpt", opt_in="--trust-file")
+    assert "trust" not in str(cut.value) and len(str(cut.value)) < 500
     with pytest.raises(FileNotFoundError, match=r"'.*missing.ckpt' is not a file"):
         load_torch_file(tmp_path / "missing.ckpt")
 

@@ -113,8 +113,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--baseline",
-        default="static",
-        help="the method the others are compared with, paired by seed (%(default)s)",
+        default=None,
+        help="the method the others are compared with, paired by seed; one of the recipes "
+        "(default: static, when it is among them)",
     )
     parser.add_argument(
         "--steps",
@@ -149,7 +150,12 @@ def main(args: list[str]) -> None:
         recipes = {recipe_name(r): resolve_recipe(r) for r in options.recipes}
     except FileNotFoundError as err:
         sys.exit(f"lightning-sparse compare: {err}")
-    baseline = options.baseline if options.baseline in recipes else None
+    if options.baseline is not None and options.baseline not in recipes:
+        sys.exit(
+            f"lightning-sparse compare: --baseline {options.baseline!r} is not one of the "
+            f"recipes compared ({', '.join(recipes)}); name one of them or add it to --recipes"
+        )
+    baseline = options.baseline or ("static" if "static" in recipes else None)
     out = Path(options.out).resolve()
     seeds = list(range(options.seeds))
     runs = plan_runs(recipes, seeds, out, options.steps, extra)

@@ -82,7 +82,13 @@ def check_config_files(args: list[str]) -> None:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
             raise CLIError(f"config file {value!r} (--config): {_yaml_problem(err)}") from err
-        if data is not None and not isinstance(data, dict):
+        if data is None:
+            raise CLIError(
+                f"config file {value!r} (--config) is empty (no keys, or comments only); a "
+                "recipe is a mapping of keys (trainer:, model:, data:, ...): start from one of "
+                f"the shipped recipes in {str(RECIPES_DIR)!r}"
+            )
+        if not isinstance(data, dict):
             kind = "a list" if isinstance(data, list) else f"a single {type(data).__name__} value"
             raise CLIError(
                 f"config file {value!r} (--config) holds {kind} at the top level; a recipe is a "

@@ -400,6 +400,14 @@ def main(args: list[str] | None = None) -> None:
     if SEED_KEY in config["parameters"] and not ns.dry_run:  # the same settings over seeds
         write_seed_table(results, metric, out / "results_by_seed.csv")
         print(f"\nOver the seeds ({SEED_KEY}):\n{seed_table(results, metric)}", flush=True)
+    failed = [r for r in results if r.status.startswith("failed")]
+    if failed:  # the table and results.csv are written; the exit status says it did not all run
+        print(
+            f"{CLI_NAME} sweep: {len(failed)} of {len(results)} point(s) failed (first: point "
+            f"{failed[0].index}, {failed[0].status}; its log: {failed[0].log_dir})",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 if __name__ == "__main__":

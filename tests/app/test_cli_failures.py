@@ -113,6 +113,8 @@ BAD_CONFIGS = {
         "mapping of keys",
     ),
     "binary": (b"\xff\xfe\x00\x81", "'recipe.yaml' (--config) is not text", "check the path"),
+    "empty": ("", "'recipe.yaml' (--config) is empty (no keys, or comments only)", "shipped"),
+    "comments": ("# only a comment\n", "'recipe.yaml' (--config) is empty", "recipes in"),
 }
 
 

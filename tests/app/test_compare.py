@@ -214,6 +214,19 @@ def test_bad_counts_name_the_option() -> None:
             compare.main([option, "0"])
 
 
+def test_a_baseline_that_is_not_compared_is_refused_before_any_run(tmp_path: Path) -> None:
+    """``--baseline statc`` ran the whole comparison with no baseline column; it is refused,
+    naming the recipes, before anything trains."""
+    out = tmp_path / "cmp"
+    with pytest.raises(
+        SystemExit,
+        match=r"--baseline 'statc' is not one of the recipes compared "
+        r"\(dense, rigl\); name one of them or add it to --recipes",
+    ):
+        compare.main(["--recipes", "dense", "rigl", "--baseline", "statc", "--out", str(out)])
+    assert not out.exists()
+
+
 def test_difference_to_static_over_training_by_hand() -> None:
     def run(method: str, seed: int, curve: list[list[float]]) -> compare_runs.Run:
         r = compare_runs.Run(method, seed, Path("r.yaml"), Path("d"), [])

@@ -221,6 +221,26 @@ def test_a_failing_point_is_recorded_and_the_sweep_goes_on(tmp_path: Path) -> No
     assert len(results) == 1 and results[0].status.startswith("failed")
 
 
+def test_a_sweep_with_a_failed_point_exits_1_after_writing_its_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every point's row is written, then the command says how many failed and exits 1 (it
+    exited 0 when every point had failed)."""
+    config = _grid(**{"trainer.no_such_option": {"values": [1, 2]}})
+    config["command"] = ["lightning-sparse", "fit", "${args}"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        sweep.main([str(path), "--out", str(out), "--", "--print_config"])
+    assert info.value.code == 1
+    assert (
+        "sweep: 2 of 2 point(s) failed (first: point 0, failed: exit 2" in capsys.readouterr().err
+    )
+    with open(out / "results.csv") as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["failed: exit 2"] * 2
+
+
 def test_a_sweep_over_seeds_is_summarized_per_setting(tmp_path: Path) -> None:
     metrics = {("a.yaml", 0): 1.0, ("a.yaml", 1): 2.0, ("a.yaml", 2): 3.0}
     metrics |= {("b.yaml", 0): 5.0, ("b.yaml", 1): None, ("b.yaml", 2): 5.5}  # one failed

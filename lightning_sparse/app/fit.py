@@ -223,6 +223,16 @@ class SparseCLI(LightningCLI):
             raise CLIError(
                 f"data: {bad}" + (f" (on the command line: {flags})" if flags else "")
             ) from bad
+        except ValueError as err:
+            if ckpt_path and _optimizer_mismatch(err):  # torch's refusal, after the weights loaded
+                raise CLIError(
+                    f"--ckpt_path {ckpt_path}: the checkpoint's optimizer state does not fit this "
+                    f"run's optimizer ({err}); resume with the optimizer the run trained with "
+                    "(--config <run>/config.yaml, the config it saved), or start a new run from "
+                    "its weights with the LoadWeights callback (docs/workflows.md); nothing was "
+                    "trained"
+                ) from err
+            raise
         except SIGTERMException as stop:  # a SystemExit that would end the process with 0
             last = last_checkpoint(self.trainer)
             # In a run directory, "last" continues there; elsewhere the file itself.
@@ -265,6 +275,13 @@ def last_checkpoint(trainer: pl.Trainer) -> Path | None:
         if callback.dirpath and Path(callback.dirpath).is_dir():
             found.update(p for p in Path(callback.dirpath).glob("*.ckpt") if p.is_file())
     return max(found, key=lambda p: p.stat().st_mtime_ns) if found else None
+
+
+def _optimizer_mismatch(err: ValueError) -> bool:
+    """Whether ``err`` is ``Optimizer.load_state_dict``'s refusal of another optimizer's state
+    (other parameter groups, or groups of other sizes)."""
+    text = str(err)
+    return "different number of parameter groups" in text or "size of optimizer's group" in text
 
 
 def check_context(model: object, datamodule: object) -> None:

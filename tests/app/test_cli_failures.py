@@ -507,3 +507,26 @@ def test_data_settings_that_give_no_data_are_one_line_naming_the_flags(
     assert err.strip().splitlines()[-1].startswith("lightning-sparse: ")
     assert expected in err.strip().splitlines()[-1]
     assert list(tmp_path.glob("outputs/**/version_*")) == []
+
+
+def test_resuming_with_another_optimizer_is_one_line_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A run trained with ``--optimizer SGD`` (one parameter group) resumed with the recipe's
+    AdamW (two groups): torch refuses the optimizer state after the weights loaded; the command
+    says so in one line with the fix (it printed a 70-line traceback)."""
+    steps = ["--trainer.max_steps", "2", "--trainer.val_check_interval", "2"]
+    cli.main(["fit", *TINY, *CSV, *steps, "--optimizer", "SGD", "--optimizer.lr", "0.1"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        cli.main(["fit", *TINY, *CSV, "--trainer.max_steps", "4", "--ckpt_path", "last"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("lightning-sparse: --ckpt_path ") and last.endswith(
+        "the checkpoint's optimizer state does not fit this run's optimizer (loaded state dict "
+        "has a different number of parameter groups); resume with the optimizer the run trained "
+        "with (--config <run>/config.yaml, the config it saved), or start a new run from its "
+        "weights with the LoadWeights callback (docs/workflows.md); nothing was trained"
+    )

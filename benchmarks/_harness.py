@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import logging
+import multiprocessing
 import os
 import platform
+import random
 import statistics
 import sys
 import threading
@@ -168,6 +170,8 @@ class StepGate(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.started:
+            if _trainer_threads is not None:  # in an `IsolatedRun`'s process: this thread's team
+                torch.set_num_threads(_trainer_threads)
             self.started = True
             self.ready.release()
             self.go.acquire()
@@ -240,6 +244,105 @@ class SteppedFit:
         self.thread.join(timeout=120)
 
 
+class IsolatedRun:
+    """A run built and stepped in a process of its own (spawned), driven over a pipe, so that
+    variants interleaved by `run_interleaved` still share nothing but the machine.
+
+    A Trainer parked in a thread of the measuring process is not free: every thread that runs
+    torch ops keeps its own OpenMP team, and with more OpenMP threads than cores GNU OpenMP stops
+    spinning between parallel regions, so each of the thousands of small ops of every other
+    variant's step pays a wake-up (`IsolatedRun`'s note in benchmarks/README.md: a plain dense
+    step 35% slower beside two parked Trainers, and a pass over the masks 2.5x slower). Here each
+    process has one thread running torch, as a user's training has.
+
+    Args:
+        factory: builds the run in the child (a module-level callable: it is pickled by name).
+        args: ``factory``'s arguments (picklable: configs, tensors, builtin clocks).
+        threads: ``torch.set_num_threads`` in the child.
+        summary: ``summary(run)`` in the child after ``run.close()``, a picklable dict kept as
+            ``self.summary`` (what the driver reads of the run afterwards).
+    """
+
+    def __init__(
+        self,
+        factory: Callable[..., Any],
+        args: tuple[Any, ...],
+        threads: int,
+        summary: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_serve_run, args=(child, factory, args, threads, summary), daemon=True
+        )
+        self._process.start()
+        child.close()
+        self.summary: dict[str, Any] = {}
+        self._receive()
+
+    def _receive(self) -> Any:
+        kind, value = self._conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"an isolated run failed in its process: {value}")
+        return value
+
+    def step(self, batch: torch.Tensor) -> float:
+        self._conn.send(("step", batch))
+        return float(self._receive())
+
+    def reset_records(self) -> None:
+        self._conn.send(("reset", None))
+        self._receive()
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._conn.send(("close", None))
+            self.summary = self._receive()
+            self._process.join(timeout=120)
+
+
+# torch's threads for a Trainer thread of an `IsolatedRun`, set by that thread at its first batch
+# (`StepGate`); the process's main thread builds the run with one thread, so that the Trainer's is
+# the process's only OpenMP team with workers.
+_trainer_threads: int | None = None
+
+
+def _serve_run(
+    conn: Any,
+    factory: Callable[..., Any],
+    args: tuple[Any, ...],
+    threads: int,
+    summary: Callable[[Any], dict[str, Any]] | None,
+) -> None:
+    """The child of an `IsolatedRun`: build the run, then step / reset / close it on request.
+    One thread runs torch with ``threads``: the run's own (a plain loop builds and steps here;
+    a Trainer steps in its thread, which takes ``threads`` at its first batch)."""
+    global _trainer_threads
+    _trainer_threads = threads
+    torch.set_num_threads(1)
+    quiet()
+    try:
+        run = factory(*args)
+        if not isinstance(run, SteppedFit):
+            torch.set_num_threads(threads)  # a plain loop steps in this thread
+        conn.send(("ready", None))
+        while True:
+            command, payload = conn.recv()
+            if command == "step":
+                conn.send(("ok", run.step(payload)))
+            elif command == "reset":
+                reset = getattr(run, "reset_records", None)
+                if reset is not None:
+                    reset()
+                conn.send(("ok", None))
+            else:
+                run.close()
+                conn.send(("ok", summary(run) if summary is not None else {}))
+                return
+    except BaseException as error:  # noqa: BLE001 - reported to the driver, which raises
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
 def run_interleaved(
     runs: Mapping[str, Steppable],
     batches: list[torch.Tensor],
@@ -247,9 +350,13 @@ def run_interleaved(
     steps: int,
     progress: Callable[[str], object] | None = None,
 ) -> dict[str, list[float]]:
-    """Warm up every run, then time ``steps`` rounds of one step each, rotating the order.
+    """Warm up every run, then time ``steps`` rounds of one step each, in a new order each round
+    (a permutation from a fixed seed).
 
-    Rotation spreads background load over the variants alike. Runs with ``reset_records()``
+    The order spreads background load over the variants alike, and no variant always follows the
+    same one: a step after another process's (`IsolatedRun`) finds cold caches and sleeping
+    threads, which a rotation would have charged to the same variant every round. Runs with
+    ``reset_records()``
     (`PlainRun`'s phase records) are reset after the warm-up, so records cover the timed rounds.
     ``progress``, if given, is told the seconds of each warm-up step (the first compiles) and of
     every tenth timed round, so a run stopped at a time limit says where it was.
@@ -266,9 +373,9 @@ def run_interleaved(
         if reset is not None:
             reset()
     times: dict[str, list[float]] = {name: [] for name in names}
+    order = random.Random(0)
     for r in range(steps):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in order.sample(names, len(names)):
             times[name].append(runs[name].step(batches[warmup + r]))
         if progress is not None and ((r + 1) % 10 == 0 or r + 1 == steps):
             progress(f"timed round {r + 1}/{steps}")

@@ -1,7 +1,7 @@
 """Per-step cost of dynamic sparsity (`RigL`, `SET` at 0.8, masks updated every 100 steps).
 
 One process builds every variant from the same seed (same initial weights, same batches) and
-times them in round-robin order, rotating the order each round (`_harness.run_interleaved`):
+times them in round-robin order, in a new order each round (`_harness.run_interleaved`):
 
 1. ``dense``            plain loop: forward, backward, AdamW step.
 2. ``rigl`` / ``set``   the same loop with ``model.apply(s); s.apply(optimizer)`` and
@@ -246,7 +246,7 @@ def main() -> None:
         f"{n_sparse / 1e6:.2f}M in the sparse weights), batch {args.batch} x seq {args.seq}, "
         f"fp32, AdamW({args.adamw}); RigL / SET sparsity {SPARSITY}, drop_fraction "
         f"{DROP_FRACTION}, update every {FREQ} steps; {args.warmup} warm-up + {args.steps} "
-        "timed rounds, round-robin, order rotated each round; "
+        "timed rounds, round-robin, order shuffled each round; "
         + ("CPU time of the one torch thread" if args.cpu_time else "wall clock")
         + "\n"
     )

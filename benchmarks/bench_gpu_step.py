@@ -1,7 +1,7 @@
 """Per-step cost of sparsity on a CUDA GPU: a ~100M-parameter Llama, bf16 autocast, AdamW.
 
 One process builds every variant from the same seed (same initial weights, same batches, all on
-the GPU before timing starts) and times them in round-robin order, rotating the order each
+the GPU before timing starts) and times them one step each per round, in a new order each
 round (`_harness.run_interleaved`). Each timed step is bracketed by ``torch.cuda.synchronize()``,
 so it measures the GPU work of the whole step, not just its launch; the report gives medians.
 
@@ -212,7 +212,7 @@ def main() -> None:
         f"({dense_model.num_params() / 1e6:.1f}M params, {n_sparse / 1e6:.1f}M in the sparse "
         f"weights), batch {args.batch} x seq {args.seq}, bf16 autocast, AdamW({args.adamw}); "
         f"sparsity {SPARSITY}, RigL drop_fraction {DROP_FRACTION} every {FREQ} steps; "
-        f"{args.warmup} warm-up + {args.steps} timed rounds, round-robin, order rotated each "
+        f"{args.warmup} warm-up + {args.steps} timed rounds, round-robin, order shuffled each "
         f"round{SYNCED if args.device == 'cuda' else ''}\n"
     )
     runs: dict[str, CudaRun] = {

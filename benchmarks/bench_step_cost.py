@@ -1,14 +1,17 @@
 """Per-step training cost of `Static(sparsity=0.8)` versus dense, in plain PyTorch and Lightning.
 
-One process builds every variant once (same seed, so the same initial weights; the same batches)
-and times them step by step in round-robin order, rotating the order each round, so background
-load hits every variant alike. Each variant reports the median over the timed rounds and
+Every variant is built once (same seed, so the same initial weights; the same batches) and timed
+step by step, one step of each per round in a new order each round, so background load hits
+every variant alike. The plain loops run in this process; each Lightning variant runs in a
+process of its own (`_harness.IsolatedRun`), since a Trainer parked in a thread here would slow
+the plain loops. Each variant reports the median over the timed rounds and
 ``ratio = median(variant) / median(dense)``, where "dense" is the dense run of the same framework:
 
 1. ``dense``            plain loop: forward, backward, AdamW step.
 2. ``static``           the same loop with ``model.apply(s); s.apply(optimizer)``.
 3. ``lightning dense`` / ``lightning static``: ``Trainer.fit`` of a ``LitCausalLM`` without and
-   with ``callbacks=[Static(0.8)]``. Each Trainer runs in its own thread, parked between steps;
+   with ``callbacks=[Static(0.8)]``. Each Trainer runs in a process of its own, parked between
+   steps;
    a step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` (one optimizer step).
 4. ``dense again``      a second, identical dense loop: ``dense again / dense`` is the run's
    noise floor (what two identical loops differ by under the machine's load).
@@ -42,6 +45,7 @@ import lightning.pytorch as pl
 import torch
 from _harness import (
     LR,
+    IsolatedRun,
     LlamaConfig,
     PlainRun,
     SteppedFit,
@@ -178,7 +182,7 @@ def print_passes(run: StaticRun, dense_ms: float, gap_ms: float, bandwidth: floa
         ms, mb = median_ms(times), per_weight * run.masked / 1e6
         total_ms, total_mb = total_ms + ms, total_mb + mb
         print(f"{label:<28} {ms:>7.2f} {mb:>7.1f} {mb / ms:>7.1f}")
-    floor_ms = total_mb / 1e6 / bandwidth * 1e3
+    floor_ms = total_mb * 1e6 / bandwidth * 1e3
     print(
         f"{'all passes':<28} {total_ms:>7.2f} {total_mb:>7.1f} {total_mb / total_ms:>7.1f}\n"
         f"static - dense: {gap_ms:.1f} ms a step, of which the passes {total_ms:.1f} and the "
@@ -236,6 +240,14 @@ class LightningRun(SteppedFit):
         return self.module.model
 
 
+def lightning_summary(run: LightningRun) -> dict[str, object]:
+    """What the driver reads of a Lightning run after it (in the run's own process)."""
+    return {
+        "global_step": run.trainer.global_step,
+        "zeros": zero_fraction(run.net, sparse_names(run.net)),
+    }
+
+
 # ---------------------------------------------------------------------- driver and report
 def report(times: dict[str, list[float]], baseline: dict[str, str]) -> None:
     print_ratio_table(times, baseline)
@@ -285,10 +297,10 @@ def main() -> None:
         f"model Llama preset {args.preset!r} ({build_model(cfg, args.seed).num_params() / 1e6:.2f}M"
         f" params), batch {args.batch} x seq {args.seq}, fp32, "
         f"AdamW({'fused' if args.fused else 'default'}), sparsity {SPARSITY}; {args.warmup} "
-        f"warm-up + {args.steps} timed steps per variant, round-robin, order rotated each round; "
+        f"warm-up + {args.steps} timed steps per variant, round-robin, order shuffled each round; "
         + ("CPU time of the stepping thread" if args.cpu_time else "wall clock")
     )
-    runs: dict[str, PlainRun | LightningRun] = {
+    runs: dict[str, PlainRun | IsolatedRun] = {
         "dense": plain_dense(cfg, args.seed, args.fused, clock),
         # A second, identical dense loop: its ratio to "dense" is the noise of this run.
         "dense again": plain_dense(cfg, args.seed, args.fused, clock),
@@ -299,20 +311,31 @@ def main() -> None:
         runs["static no hold"] = plain_static(cfg, args.seed, args.fused, clock, hold=False)
     try:
         for name, sparse in (("lightning dense", False), ("lightning static", True)):
-            runs[name] = LightningRun(cfg, args.seed, args.fused, batches, sparse, clock)
+            # Each Trainer in a process of its own (`IsolatedRun`: a parked Trainer thread here
+            # would slow the plain loops), stepped in turn with the others.
+            runs[name] = IsolatedRun(
+                LightningRun,
+                (cfg, args.seed, args.fused, batches, sparse, clock),
+                args.threads,
+                lightning_summary,
+            )
         times = run_interleaved(runs, batches, args.warmup, args.steps)
     finally:
         for run in runs.values():
             run.close()
 
     names = sparse_names(build_model(cfg, args.seed))
+    zeros = {
+        name: run.summary["zeros"] if isinstance(run, IsolatedRun) else zero_fraction(run.net, names)
+        for name, run in runs.items()
+    }
     print(
         "\nzeros in the sparsifiable Linear weights after the run: "
-        + ", ".join(f"{name} {zero_fraction(run.net, names):.3f}" for name, run in runs.items())
+        + ", ".join(f"{name} {value:.3f}" for name, value in zeros.items())
     )
     for name, run in runs.items():
-        if isinstance(run, LightningRun) and run.trainer.global_step != n_batches:
-            print(f"WARNING: {name} ran {run.trainer.global_step} steps, expected {n_batches}")
+        if isinstance(run, IsolatedRun) and run.summary["global_step"] != n_batches:
+            print(f"WARNING: {name} ran {run.summary['global_step']} steps, expected {n_batches}")
     print()
     report(
         times,

@@ -25,7 +25,7 @@ loop over the same model, optimizer and batches, masked dense or inside
 ``plain-wse`` with ``plain-cpu``.
 
 ``speed``: the cpu path and the device at each sparsity (plus a dense cpu run), every Trainer in
-one process, stepped round-robin with the order rotated each round (`_harness.run_interleaved`);
+one process, stepped round-robin with the order shuffled each round (`_harness.run_interleaved`);
 median and minimum step time. ``--busy`` starts one busy-looping process pinned to CPU 0
 (``taskset -c 0``) for the whole measurement. Goals: 90% >= 3.5x, 95% >= 5x the cpu path; with
 one busy process >= 1.5x.

@@ -6,7 +6,7 @@ warmup-cosine schedule) and the recipe's RigL callback (random init, drop fracti
 the 28 ``*layers.*_proj.weight`` matrices) at each sparsity of the curve, once on the CPU
 accelerator (masked dense training) and once on the emulated wafer-scale device. A dense CPU run
 (no callback) is the reference. All Trainers live in one process, each in its own thread, parked
-between steps; one step of each runs per round, order rotated every round, and a step is timed
+between steps; one step of each runs per round, order shuffled every round, and a step is timed
 from ``on_train_batch_start`` to ``on_train_batch_end`` (every callback's batch-end work inside).
 
 RigL updates at step 0 (sparse start, as in the recipe) and once more at step ``warmup + 1``
@@ -112,7 +112,7 @@ def main() -> None:
     print(
         f"model: recipe Llama {cfg}, batch {args.batch} x seq {seq}, fp32, fused AdamW; RigL on "
         f"{FILTER} updating at steps 0 and {update_at}; {args.warmup} warm-up + {args.steps} "
-        "timed steps per variant, round-robin, order rotated each round"
+        "timed steps per variant, round-robin, order shuffled each round"
     )
     runs: dict[str, TrainerRun] = {}
     try:

@@ -170,8 +170,6 @@ class StepGate(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
         if not self.started:
-            if _trainer_threads is not None:  # in an `IsolatedRun`'s process: this thread's team
-                torch.set_num_threads(_trainer_threads)
             self.started = True
             self.ready.release()
             self.go.acquire()
@@ -214,10 +212,17 @@ class SteppedFit:
             enable_model_summary=False,
             **trainer_kwargs,
         )
-        loader = DataLoader(batches, batch_size=None, shuffle=False)
-        self.thread = threading.Thread(target=self._fit, args=(loader,), daemon=True)
-        self.thread.start()
-        self._wait(self.gate.ready)
+        self.loader = DataLoader(batches, batch_size=None, shuffle=False)
+        self.finished = False  # ``fit`` returned
+        self.thread: threading.Thread | None = None
+        if not _fit_deferred:  # else `IsolatedRun`'s process runs `fit_here` in its main thread
+            self.thread = threading.Thread(target=self._fit, args=(self.loader,), daemon=True)
+            self.thread.start()
+            self._wait(self.gate.ready)
+
+    def fit_here(self) -> None:
+        """Run ``fit`` in the calling thread (while another thread steps it)."""
+        self._fit(self.loader)
 
     def _fit(self, loader: DataLoader) -> None:
         try:
@@ -225,6 +230,7 @@ class SteppedFit:
         except BaseException as error:  # noqa: BLE001 - handed to the driver thread
             self.gate.error = error
         finally:
+            self.finished = True
             self.gate.ready.release()
             self.gate.done.release()
 
@@ -241,7 +247,8 @@ class SteppedFit:
 
     def close(self) -> None:
         self.gate.go.release()  # let the parked trainer leave its last step and finish
-        self.thread.join(timeout=120)
+        if self.thread is not None:
+            self.thread.join(timeout=120)
 
 
 class IsolatedRun:
@@ -301,10 +308,10 @@ class IsolatedRun:
             self._process.join(timeout=120)
 
 
-# torch's threads for a Trainer thread of an `IsolatedRun`, set by that thread at its first batch
-# (`StepGate`); the process's main thread builds the run with one thread, so that the Trainer's is
-# the process's only OpenMP team with workers.
-_trainer_threads: int | None = None
+# Set in an `IsolatedRun`'s process: a `SteppedFit` built there does not start its own thread;
+# the process's main thread runs its ``fit`` (`fit_here`), the thread that torch's OpenMP team
+# and the device's kernels were set up in, while a thread that runs no torch op steps it.
+_fit_deferred = False
 
 
 def _serve_run(
@@ -315,16 +322,36 @@ def _serve_run(
     summary: Callable[[Any], dict[str, Any]] | None,
 ) -> None:
     """The child of an `IsolatedRun`: build the run, then step / reset / close it on request.
-    One thread runs torch with ``threads``: the run's own (a plain loop builds and steps here;
-    a Trainer steps in its thread, which takes ``threads`` at its first batch)."""
-    global _trainer_threads
-    _trainer_threads = threads
-    torch.set_num_threads(1)
+    One thread runs torch: this one (a plain loop is stepped here; a Trainer's ``fit`` runs here
+    while the requests are served from a thread that runs no torch op)."""
+    global _fit_deferred
+    _fit_deferred = True
+    torch.set_num_threads(threads)
     quiet()
     try:
         run = factory(*args)
-        if not isinstance(run, SteppedFit):
-            torch.set_num_threads(threads)  # a plain loop steps in this thread
+    except BaseException as error:  # noqa: BLE001 - reported to the driver, which raises
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    if not isinstance(run, SteppedFit):
+        _serve(conn, run, summary)
+        return
+    server = threading.Thread(target=_serve, args=(conn, run, summary, run.gate.ready), daemon=True)
+    server.start()
+    run.fit_here()
+    server.join()
+
+
+def _serve(
+    conn: Any,
+    run: Any,
+    summary: Callable[[Any], dict[str, Any]] | None,
+    ready: threading.Semaphore | None = None,
+) -> None:
+    """Answer ``step`` / ``reset`` / ``close`` requests on ``conn`` until ``close``."""
+    try:
+        if ready is not None:
+            run._wait(ready)  # the Trainer reached its first batch
         conn.send(("ready", None))
         while True:
             command, payload = conn.recv()
@@ -336,11 +363,17 @@ def _serve_run(
                     reset()
                 conn.send(("ok", None))
             else:
-                run.close()
+                if ready is None:
+                    run.close()
+                while ready is not None and not run.finished:  # let ``fit`` return, step by step
+                    run.gate.go.release()
+                    run.gate.done.acquire()
                 conn.send(("ok", summary(run) if summary is not None else {}))
                 return
     except BaseException as error:  # noqa: BLE001 - reported to the driver, which raises
         conn.send(("error", f"{type(error).__name__}: {error}"))
+        if ready is not None:
+            run.gate.go.release()  # let a parked ``fit`` end
 
 
 def run_interleaved(

@@ -326,7 +326,9 @@ def main() -> None:
 
     names = sparse_names(build_model(cfg, args.seed))
     zeros = {
-        name: run.summary["zeros"] if isinstance(run, IsolatedRun) else zero_fraction(run.net, names)
+        name: run.summary["zeros"]
+        if isinstance(run, IsolatedRun)
+        else zero_fraction(run.net, names)
         for name, run in runs.items()
     }
     print(

@@ -258,9 +258,9 @@ class IsolatedRun:
     A Trainer parked in a thread of the measuring process is not free: every thread that runs
     torch ops keeps its own OpenMP team, and with more OpenMP threads than cores GNU OpenMP stops
     spinning between parallel regions, so each of the thousands of small ops of every other
-    variant's step pays a wake-up (`IsolatedRun`'s note in benchmarks/README.md: a plain dense
-    step 35% slower beside two parked Trainers, and a pass over the masks 2.5x slower). Here each
-    process has one thread running torch, as a user's training has.
+    variant's step pays a wake-up (benchmarks/README.md, the first row: what it did to
+    `bench_step_cost.py`). Here each process has one thread running torch, as a user's training
+    has.
 
     Args:
         factory: builds the run in the child (a module-level callable: it is pickled by name).

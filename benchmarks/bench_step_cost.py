@@ -186,7 +186,8 @@ def print_passes(run: StaticRun, dense_ms: float, gap_ms: float, bandwidth: floa
     print(
         f"{'all passes':<28} {total_ms:>7.2f} {total_mb:>7.1f} {total_mb / total_ms:>7.1f}\n"
         f"static - dense: {gap_ms:.1f} ms a step, of which the passes {total_ms:.1f} and the "
-        f"rest {gap_ms - total_ms:.1f} (hooks' Python, caches the passes evict)\n"
+        f"rest {gap_ms - total_ms:+.1f} (the hooks' Python and the caches the passes evict, "
+        "less what the step's arithmetic saves on zeros)\n"
         f"memory bandwidth here (a.add_(b), 64 MB each): {bandwidth / 1e9:.1f} GB/s; at it the "
         f"passes would take {floor_ms:.1f} ms: Static / dense >= "
         f"{(dense_ms + floor_ms) / dense_ms:.3f} for any design that makes these passes"

@@ -48,9 +48,10 @@ def edit_for_run(config: Namespace, subcommand: str | None, logger_asked: bool) 
             )
     if config.get("trainer.fast_dev_run"):
         _drop_callbacks(config, (ModelCheckpoint,))
+        summary = " (the summary is printed, not saved)" if subcommand in (None, "fit") else ""
         said.append(
             f"{PROG}: fast_dev_run: a few batches to check the run, with no checkpoint, no logs "
-            "and no files written (the summary is printed, not saved)"
+            f"and no files written{summary}"
         )
     elif subcommand not in (None, "fit"):
         if not logger_asked and _wandb_to_csv(config):

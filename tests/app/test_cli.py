@@ -576,3 +576,19 @@ def test_rich_model_summary_becomes_the_plain_one_without_flops() -> None:
     callbacks = [RichModelSummary(max_depth=3)]
     quiet.plain_model_summary(callbacks)
     assert type(callbacks[0]) is ModelSummary and callbacks[0]._max_depth == 3
+
+
+def test_fast_dev_run_promises_a_summary_only_where_one_is_printed() -> None:
+    """``fit`` prints its summary under ``fast_dev_run``; ``validate`` / ``test`` / ``predict``
+    have none, so their line does not mention one."""
+    from jsonargparse import Namespace
+
+    from lightning_sparse.app.config_edits import edit_for_run
+
+    def said(subcommand: str) -> str:
+        config = Namespace(trainer=Namespace(fast_dev_run=True, callbacks=[], logger=True))
+        return " ".join(edit_for_run(config, subcommand, logger_asked=False))
+
+    assert "fast_dev_run" in said("fit") and "the summary is printed, not saved" in said("fit")
+    for subcommand in ("validate", "test", "predict"):
+        assert "fast_dev_run" in said(subcommand) and "summary" not in said(subcommand)

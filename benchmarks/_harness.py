@@ -255,12 +255,12 @@ class IsolatedRun:
     """A run built and stepped in a process of its own (spawned), driven over a pipe, so that
     variants interleaved by `run_interleaved` still share nothing but the machine.
 
-    A Trainer parked in a thread of the measuring process is not free: every thread that runs
-    torch ops keeps its own OpenMP team, and with more OpenMP threads than cores GNU OpenMP stops
-    spinning between parallel regions, so each of the thousands of small ops of every other
-    variant's step pays a wake-up (benchmarks/README.md, the first row: what it did to
-    `bench_step_cost.py`). Here each process has one thread running torch, as a user's training
-    has.
+    A Trainer parked in a thread of the measuring process is not free (measured, not explained:
+    most likely each thread that runs torch ops keeps its own OpenMP team, and with more OpenMP
+    threads than cores GNU OpenMP stops spinning between parallel regions, so each of the
+    thousands of small ops of every other variant's step pays a wake-up; benchmarks/README.md,
+    the first row, says what it did to `bench_step_cost.py`). Here each process has one thread
+    running torch, as a user's training has.
 
     Args:
         factory: builds the run in the child (a module-level callable: it is pickled by name).
